@@ -1,0 +1,38 @@
+# The two set-up commands of the README: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+HOST   ?= 127.0.0.1
+PORT   ?= 8080
+PYTEST_ARGS ?=
+
+.PHONY: serve test lint format bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# One stamp per extra: reinstall only when pyproject.toml changes.
+$(VENV)/.stamp-%: pyproject.toml | $(PY)
+	$(PIP) install --quiet -e '.[$*]'
+	touch $@
+
+serve: $(VENV)/.stamp-demo
+	$(VENV)/bin/barrel serve --host $(HOST) --port $(PORT) \
+		--model demo=$$($(PY) -m barrel.store.bundled qwen2.5-coder-0.5b)
+
+test: $(VENV)/.stamp-test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.stamp-dev
+	$(VENV)/bin/ruff check barrel tests bench
+	$(VENV)/bin/ruff format --check barrel tests bench
+	$(VENV)/bin/mypy
+
+format: $(VENV)/.stamp-dev
+	$(VENV)/bin/ruff check --fix barrel tests bench
+	$(VENV)/bin/ruff format barrel tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,3 @@
+from barrel.cli import run
+
+run()

@@ -1,0 +1,38 @@
+"""The catalog: which models the daemon knows by name.
+
+Holds the local GGUF files registered at boot (`--model NAME=PATH` and
+`models.local` in the config). Runs in its own actor thread; answers are immutable.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from barrel.actors.child import Child, Link
+from barrel.errors import NotFound
+from barrel.store.local import LocalModel, check_gguf_file
+
+logger = logging.getLogger(__name__)
+
+
+class Catalog(Child):
+    def __init__(self, link: Link, local: Mapping[str, str]) -> None:
+        super().__init__(link)
+        self._paths = dict(local)
+        self._models: dict[str, LocalModel] = {}
+
+    def init(self) -> None:
+        # Re-checked on every (re)start: a file may have gone away since boot.
+        for name, path in self._paths.items():
+            self._models[name] = check_gguf_file(name, path)
+            logger.info("registered model %s -> %s", name, self._models[name].path)
+
+    def list_models(self) -> list[LocalModel]:
+        return sorted(self._models.values(), key=lambda m: m.name)
+
+    def lookup(self, name: str) -> LocalModel:
+        try:
+            return self._models[name]
+        except KeyError:
+            raise NotFound(f"model {name!r} not found") from None

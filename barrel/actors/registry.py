@@ -1,0 +1,72 @@
+"""The name registry the supervisors keep current.
+
+A restarted actor has a new `ActorRef`; callers never cache refs to restartable actors
+but look them up here by name at each call. Supervisors register a child when it
+starts and mark it down when it exits; readiness reads the same table.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pykka
+
+from barrel.errors import Unavailable
+
+State = Literal["running", "restarting", "failed"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    ref: pykka.ActorRef[Any] | None
+    state: State
+    supervisor: str
+    reason: str = ""
+
+
+class Registry:
+    """Thread-safe name -> actor table. Reads are lock-protected dict lookups, cheap
+    enough for the event loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+
+    def register(self, name: str, ref: pykka.ActorRef[Any], supervisor: str) -> None:
+        with self._lock:
+            old = self._entries.get(name)
+            live = old is not None and old.ref is not None and old.ref.is_alive()
+            if live and old is not None and old.ref is not ref:
+                raise ValueError(f"name {name!r} is already registered")
+            self._entries[name] = Entry(name, ref, "running", supervisor)
+
+    def mark_down(self, name: str, state: State, reason: str = "") -> None:
+        with self._lock:
+            old = self._entries.get(name)
+            supervisor = old.supervisor if old else ""
+            self._entries[name] = Entry(name, None, state, supervisor, reason)
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._entries.pop(name, None)
+
+    def whereis(self, name: str) -> pykka.ActorRef[Any] | None:
+        with self._lock:
+            entry = self._entries.get(name)
+        if entry is None or entry.ref is None or not entry.ref.is_alive():
+            return None
+        return entry.ref
+
+    def get(self, name: str) -> pykka.ActorRef[Any]:
+        """The live ref of `name`, or `Unavailable` naming it."""
+        ref = self.whereis(name)
+        if ref is None:
+            raise Unavailable(f"{name} is not running", retry_after=1.0)
+        return ref
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return list(self._entries.values())

@@ -1,0 +1,179 @@
+"""vm_config.toml decoded into frozen msgspec structs.
+
+Lookup order: `--config PATH`, then `$BARREL_CONFIG`, then `<user config dir>/barrel/
+vm_config.toml` when it exists, else the defaults below. An unknown key or a value of the
+wrong type is a `ConfigError` naming the key path (the CLI exits 2 on it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import msgspec
+import platformdirs
+
+from barrel.errors import ConfigError
+
+ENV_VAR = "BARREL_CONFIG"
+_DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ms|s|m|h)?$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ServerConfig(_Section, frozen=True):
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
+    shutdown_grace_s: float = 30.0
+    access_log: bool = True
+    log_level: str = "info"
+
+
+class LimitsConfig(_Section, frozen=True):
+    max_request_body_bytes: int = 1024 * 1024
+    max_messages: int = 1024
+    max_tools: int = 128
+    max_embedding_inputs: int = 256
+
+
+class CorsConfig(_Section, frozen=True):
+    # Empty list: CORS off. ["*"] allows any origin.
+    allow_origins: list[str] = msgspec.field(default_factory=list)
+    allow_methods: list[str] = msgspec.field(
+        default_factory=lambda: ["GET", "POST", "DELETE", "HEAD", "OPTIONS"]
+    )
+    allow_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    max_age_s: int = 600
+
+
+class AuthConfig(_Section, frozen=True):
+    # Empty list: no authentication. Otherwise `Authorization: Bearer <key>` or
+    # `x-api-key: <key>` must carry one of these on every path but /health*.
+    api_keys: list[str] = msgspec.field(default_factory=list)
+
+
+class SupervisorLimits(_Section, frozen=True):
+    intensity: int = 3
+    period_s: float = 5.0
+
+
+class SupervisionConfig(_Section, frozen=True):
+    root: SupervisorLimits = msgspec.field(default_factory=SupervisorLimits)
+    models: SupervisorLimits = msgspec.field(
+        default_factory=lambda: SupervisorLimits(intensity=5, period_s=60.0)
+    )
+    pulls: SupervisorLimits = msgspec.field(
+        default_factory=lambda: SupervisorLimits(intensity=10, period_s=60.0)
+    )
+
+
+class ModelDefaults(_Section, frozen=True):
+    num_seq_max: int = 4
+    num_batch: int = 512
+    num_thread: int = 0  # 0: the machine's cores
+
+
+class ModelsConfig(_Section, frozen=True):
+    cache_root: str = ""  # empty: <user data dir>/barrel
+    max_context_size: int = 4096
+    default_keep_alive: str = "5m"
+    defaults: ModelDefaults = msgspec.field(default_factory=ModelDefaults)
+    # Alias name -> model name.
+    aliases: dict[str, str] = msgspec.field(default_factory=dict)
+    # Local GGUF files registered at boot: name -> path (same as `--model NAME=PATH`).
+    local: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class Config(_Section, frozen=True):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    cors: CorsConfig = msgspec.field(default_factory=CorsConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    supervision: SupervisionConfig = msgspec.field(default_factory=SupervisionConfig)
+    models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
+
+    @property
+    def cache_root(self) -> Path:
+        if self.models.cache_root:
+            return Path(self.models.cache_root).expanduser()
+        return Path(platformdirs.user_data_dir("barrel"))
+
+
+def parse_duration(text: str) -> float:
+    """'5m' -> 300.0, '30s', '1h', '250ms', or a bare number of seconds."""
+    m = _DURATION.match(text.strip())
+    if m is None:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 30s, 5m, 1h)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def default_path() -> Path:
+    return Path(platformdirs.user_config_dir("barrel")) / "vm_config.toml"
+
+
+def find_config(explicit: str | None) -> Path | None:
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env)
+    path = default_path()
+    return path if path.exists() else None
+
+
+def decode(data: bytes | str, source: str = "<config>") -> Config:
+    try:
+        config = msgspec.toml.decode(data, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_name_key_path(str(exc))}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    validate(config, source)
+    return config
+
+
+def load(explicit: str | None = None) -> Config:
+    path = find_config(explicit)
+    if path is None:
+        return Config()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    return decode(data, str(path))
+
+
+def _name_key_path(message: str) -> str:
+    # msgspec ends messages with "- at `$.server.port`"; say it as a key path.
+    m = re.search(r" - at `\$\.?([^`]*)`$", message)
+    if m is None:
+        return message
+    return f"{m.group(1) or '<top level>'}: {message[: m.start()]}"
+
+
+def validate(config: Config, source: str) -> None:
+    """Checks the types cannot express. Raises ConfigError naming every bad key."""
+    errors: list[str] = []
+    if not 0 <= config.server.port <= 65535:
+        errors.append("server.port: must be between 0 and 65535")
+    if config.limits.max_request_body_bytes <= 0:
+        errors.append("limits.max_request_body_bytes: must be positive")
+    if config.models.max_context_size < 64:
+        errors.append("models.max_context_size: must be at least 64")
+    if config.models.defaults.num_seq_max < 1:
+        errors.append("models.defaults.num_seq_max: must be at least 1")
+    try:
+        parse_duration(config.models.default_keep_alive)
+    except ValueError as exc:
+        errors.append(f"models.default_keep_alive: {exc}")
+    for name in ("root", "models", "pulls"):
+        limits: SupervisorLimits = getattr(config.supervision, name)
+        if limits.intensity < 0 or limits.period_s <= 0:
+            errors.append(f"supervision.{name}: intensity >= 0 and period_s > 0 required")
+    if errors:
+        raise ConfigError(f"{source}: " + "; ".join(errors))

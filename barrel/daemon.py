@@ -1,0 +1,77 @@
+"""`barrel serve`: run the HTTP server and the supervision tree until a signal.
+
+SIGTERM / SIGINT: stop accepting, give in-flight requests `server.shutdown_grace_s` to
+finish, stop the tree in reverse order, exit 0. A tree that cannot boot or whose root
+crashes shuts the daemon down with exit 1 (so systemd restarts it). SIGUSR1 writes
+every thread's stack to stderr; it works even if the event loop is stuck, because
+faulthandler answers it outside the interpreter loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import logging
+import signal
+from collections.abc import Mapping
+
+from aiohttp import web
+
+from barrel.config import Config
+from barrel.http.app import make_app
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def serve(config: Config, local_models: Mapping[str, str]) -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    return asyncio.run(_serve(config, local_models))
+
+
+async def _serve(config: Config, local_models: Mapping[str, str]) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    exit_code = 0
+
+    def fatal(why: str) -> None:
+        nonlocal exit_code
+        logger.critical("shutting down: %s", why)
+        exit_code = 1
+        stop.set()
+
+    app = make_app(config, local_models=local_models, on_fatal=fatal)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,  # barrel.http.middlewares.access_log writes one line per request
+        shutdown_timeout=config.server.shutdown_grace_s,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        logger.critical("cannot listen on %s:%s: %s", config.server.host, config.server.port, exc)
+        await runner.cleanup()
+        return 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    for addr in runner.addresses:
+        host, port = addr[0], addr[1]
+        logger.info("listening on http://%s:%s", f"[{host}]" if ":" in host else host, port)
+    await stop.wait()
+    logger.info(
+        "stopping: waiting up to %ss for requests in flight", config.server.shutdown_grace_s
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    await runner.cleanup()
+    logger.info("stopped")
+    return exit_code

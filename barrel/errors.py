@@ -1,0 +1,67 @@
+"""The one exception root of Barrel.
+
+Every failure a caller is meant to handle derives from `BarrelError` and carries what
+the HTTP layer needs to render it in any dialect: an HTTP status, a stable machine code
+and a human message. Anything else raised inside an actor is a bug and is handled as
+"let it crash" (see `barrel.actors.child`).
+"""
+
+from __future__ import annotations
+
+
+class BarrelError(Exception):
+    """Base of every expected Barrel failure."""
+
+    status: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+class InvalidRequest(BarrelError):
+    status = 400
+    code = "invalid_request"
+
+
+class Unauthorized(BarrelError):
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(BarrelError):
+    status = 403
+    code = "forbidden"
+
+
+class NotFound(BarrelError):
+    status = 404
+    code = "not_found"
+
+
+class PayloadTooLarge(BarrelError):
+    status = 413
+    code = "request_too_large"
+
+
+class Unavailable(BarrelError):
+    """A part of the daemon that would serve the request is not running."""
+
+    status = 503
+    code = "unavailable"
+
+
+class CallTimeout(BarrelError):
+    """A cross-thread call did not answer within its timeout."""
+
+    status = 504
+    code = "timeout"
+
+
+class ConfigError(BarrelError):
+    """The configuration is invalid; the daemon refuses to start (exit code 2)."""
+
+    status = 500
+    code = "config_error"

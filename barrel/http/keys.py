@@ -1,0 +1,20 @@
+"""Typed application and request state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+
+from barrel.actors.runtime import Runtime
+from barrel.config import Config
+from barrel.metrics import Metrics
+
+CONFIG = web.AppKey("config", Config)
+RUNTIME = web.AppKey("runtime", Runtime)
+METRICS = web.AppKey("metrics", Metrics)
+# Called (on the loop) when the daemon cannot go on: the tree failed to boot or its root
+# crashed. `barrel serve` shuts down and exits 1; tests may watch it.
+ON_FATAL: web.AppKey[Callable[[str], None]] = web.AppKey("on_fatal")
+
+REQUEST_ID = "barrel.request_id"
