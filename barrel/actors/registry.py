@@ -32,7 +32,8 @@ class Registry:
     enough for the event loop."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
         self._entries: dict[str, Entry] = {}
 
     def register(self, name: str, ref: pykka.ActorRef[Any], supervisor: str) -> None:
@@ -42,16 +43,19 @@ class Registry:
             if live and old is not None and old.ref is not ref:
                 raise ValueError(f"name {name!r} is already registered")
             self._entries[name] = Entry(name, ref, "running", supervisor)
+            self._changed.notify_all()
 
     def mark_down(self, name: str, state: State, reason: str = "") -> None:
         with self._lock:
             old = self._entries.get(name)
             supervisor = old.supervisor if old else ""
             self._entries[name] = Entry(name, None, state, supervisor, reason)
+            self._changed.notify_all()
 
     def unregister(self, name: str) -> None:
         with self._lock:
             self._entries.pop(name, None)
+            self._changed.notify_all()
 
     def whereis(self, name: str) -> pykka.ActorRef[Any] | None:
         with self._lock:
@@ -70,3 +74,23 @@ class Registry:
     def entries(self) -> list[Entry]:
         with self._lock:
             return list(self._entries.values())
+
+    def wait_for(
+        self,
+        name: str,
+        *,
+        other_than: pykka.ActorRef[Any] | None = None,
+        timeout: float,
+    ) -> pykka.ActorRef[Any]:
+        """Block until `name` has a live ref (other than `other_than`: wait out a
+        restart). Not for the event loop. Raises `Unavailable` after `timeout`."""
+
+        def found() -> pykka.ActorRef[Any] | None:
+            ref = self.whereis(name)
+            return ref if ref is not None and ref is not other_than else None
+
+        with self._changed:
+            ref = self._changed.wait_for(found, timeout=timeout)
+        if ref is None:
+            raise Unavailable(f"{name} did not come up within {timeout}s", retry_after=1.0)
+        return ref

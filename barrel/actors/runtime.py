@@ -66,11 +66,6 @@ class Runtime:
     def _root_exited(self, reason: Exit) -> None:
         # Runs in the root supervisor's thread.
         self.root_exit = reason
-        if self._root_spec is not None:
-            if self._stopping:
-                self.registry.unregister(self._root_spec.id)
-            else:
-                self.registry.mark_down(self._root_spec.id, "failed", str(reason))
         if not self._stopping:
             logger.critical("supervision tree root exited: %s", reason)
             if self.on_root_exit is not None:

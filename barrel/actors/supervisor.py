@@ -349,8 +349,19 @@ def start_root(
     `on_exit` is called (from the root's thread) if the root ends: after an escalation
     it carries the crash, after an orderly stop it is a normal exit.
     """
-    link = Link(spec.id, on_exit=lambda _urn, reason: on_exit(reason))
-    ref = spec.start(link)
+
+    def exited(_urn: str, reason: Exit) -> None:
+        if reason.abnormal:
+            registry.mark_down(spec.id, "failed", str(reason))
+        else:
+            registry.unregister(spec.id)
+        on_exit(reason)
+
+    link = Link(spec.id, on_exit=exited)
+    try:
+        ref = spec.start(link)
+    except Exception as exc:
+        raise StartFailed(spec.id, exc) from exc
     try:
         link.started.result(timeout=spec.start_timeout)
     except concurrent.futures.TimeoutError:

@@ -1,0 +1,127 @@
+"""A tiny random-weight GGUF for tests and benchmarks.
+
+Architecture qwen2 with a handful of small layers and random weights, but the real
+Qwen2.5 tokenizer (vocabulary, merges, special tokens) and its tool-capable chat
+template, copied from the Qwen2.5-Coder GGUF. It loads in well under a second and
+decodes hundreds of tokens per second, so tests exercise real llama.cpp without the
+cost of a real model. Weights come from a fixed seed: the file is deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from barrel.store import bundled
+
+ARCH = "qwen2"
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    n_embd: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    n_ctx_train: int = 8192
+    seed: int = 1234
+
+    def key(self) -> str:
+        raw = repr(self).encode()
+        return hashlib.sha256(raw).hexdigest()[:12]
+
+
+def _tokenizer_fields(reader: gguf.GGUFReader) -> dict[str, object]:
+    wanted = (
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.padding_token_id",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.chat_template",
+    )
+    return {k: reader.fields[k].contents() for k in wanted}
+
+
+def write_tiny_gguf(path: Path, source: Path, shape: TinyShape = TinyShape()) -> Path:
+    """Write the tiny model to `path` (atomically), taking the tokenizer from `source`."""
+    tok = _tokenizer_fields(gguf.GGUFReader(source))
+    tokens = tok["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, list)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(shape.seed)
+    head_dim = shape.n_embd // shape.n_head
+    n_embd_kv = head_dim * shape.n_head_kv
+
+    def weight(*dims: int, scale: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(dims, dtype=np.float32) * scale).astype(np.float16)
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(tmp, ARCH)
+    w.add_name("barrel-tiny-qwen2")
+    w.add_context_length(shape.n_ctx_train)
+    w.add_embedding_length(shape.n_embd)
+    w.add_block_count(shape.n_layer)
+    w.add_feed_forward_length(shape.n_ff)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(shape.n_head_kv)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(int(tok["tokenizer.ggml.bos_token_id"]))  # type: ignore[call-overload]
+    w.add_eos_token_id(int(tok["tokenizer.ggml.eos_token_id"]))  # type: ignore[call-overload]
+    w.add_pad_token_id(int(tok["tokenizer.ggml.padding_token_id"]))  # type: ignore[call-overload]
+    w.add_add_bos_token(bool(tok["tokenizer.ggml.add_bos_token"]))
+    w.add_chat_template(str(tok["tokenizer.chat_template"]))
+
+    # numpy shapes are ggml's ne reversed: a (rows, cols) matrix maps cols -> rows.
+    # No output.weight: llama.cpp's qwen2 ties it to token_embd.
+    w.add_tensor("token_embd.weight", weight(n_vocab, shape.n_embd, scale=0.5))
+    for i in range(shape.n_layer):
+        p = f"blk.{i}"
+        w.add_tensor(f"{p}.attn_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
+        w.add_tensor(f"{p}.attn_q.weight", weight(shape.n_embd, shape.n_embd))
+        w.add_tensor(f"{p}.attn_q.bias", np.zeros(shape.n_embd, dtype=np.float32))
+        w.add_tensor(f"{p}.attn_k.weight", weight(n_embd_kv, shape.n_embd))
+        w.add_tensor(f"{p}.attn_k.bias", np.zeros(n_embd_kv, dtype=np.float32))
+        w.add_tensor(f"{p}.attn_v.weight", weight(n_embd_kv, shape.n_embd))
+        w.add_tensor(f"{p}.attn_v.bias", np.zeros(n_embd_kv, dtype=np.float32))
+        w.add_tensor(f"{p}.attn_output.weight", weight(shape.n_embd, shape.n_embd))
+        w.add_tensor(f"{p}.ffn_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
+        w.add_tensor(f"{p}.ffn_gate.weight", weight(shape.n_ff, shape.n_embd))
+        w.add_tensor(f"{p}.ffn_up.weight", weight(shape.n_ff, shape.n_embd))
+        w.add_tensor(f"{p}.ffn_down.weight", weight(shape.n_embd, shape.n_ff))
+    w.add_tensor("output_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def tiny_model(shape: TinyShape = TinyShape(), dest: Path | None = None) -> Path:
+    """The cached tiny model for `shape`, built on first use."""
+    directory = dest or bundled.cache_dir()
+    path = directory / f"barrel-tiny-qwen2-{shape.key()}.gguf"
+    if path.exists():
+        return path
+    source = bundled.assemble("qwen2.5-coder-0.5b", dest)
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_tiny_gguf(path, source, shape)

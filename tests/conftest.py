@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pykka
+import pytest
+
+from barrel.actors.supervisor import Supervisor
+from barrel.store import bundled
+from barrel.store.synthetic import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _stop_all_actors() -> Iterator[None]:
+    """Every test leaves no actor behind. Supervisors go first, oldest (roots) first, so
+    that they stop their subtrees in order instead of restarting children that
+    `stop_all` would stop under them."""
+    yield
+    for ref in pykka.ActorRegistry.get_by_class(Supervisor):
+        with contextlib.suppress(pykka.ActorDeadError, pykka.Timeout):
+            ref.stop(block=True, timeout=10)
+    pykka.ActorRegistry.stop_all(block=True, timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads the developer's own config or writes to their data dir. The model
+    cache stays shared (assembling real models is slow)."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
+    monkeypatch.delenv("BARREL_CONFIG", raising=False)
+    monkeypatch.setenv(bundled.CACHE_ENV, str(bundled.cache_dir()))
+
+
+@pytest.fixture(scope="session")
+def qwen_path() -> Path:
+    return bundled.assemble("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    return bundled.assemble("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    return tiny_model()
+
+
+def pytest_report_header() -> str:
+    return f"barrel model cache: {os.environ.get(bundled.CACHE_ENV) or bundled.cache_dir()}"
