@@ -47,31 +47,44 @@ async def _serve(config: Config, local_models: Mapping[str, str]) -> int:
         stop.set()
 
     app = make_app(config, local_models=local_models, on_fatal=fatal)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        listened = await run_server(
+            app, config.server.host, config.server.port, config.server.shutdown_grace_s, stop
+        )
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return exit_code if listened else 1
+
+
+async def run_server(
+    app: web.Application, host: str, port: int, grace: float, stop: asyncio.Event
+) -> bool:
+    """Serve `app` until `stop` is set, then shut down gracefully: stop accepting, give
+    requests in flight `grace` seconds to finish, cancel the rest, run the app's
+    cleanup (which stops the tree). Returns False if it could not listen."""
     runner = web.AppRunner(
         app,
         handle_signals=False,
         access_log=None,  # barrel.http.middlewares.access_log writes one line per request
-        shutdown_timeout=config.server.shutdown_grace_s,
+        shutdown_timeout=grace,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port)
+    site = web.TCPSite(runner, host, port)
     try:
         await site.start()
     except OSError as exc:
-        logger.critical("cannot listen on %s:%s: %s", config.server.host, config.server.port, exc)
+        logger.critical("cannot listen on %s:%s: %s", host, port, exc)
         await runner.cleanup()
-        return 1
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        return False
     for addr in runner.addresses:
-        host, port = addr[0], addr[1]
-        logger.info("listening on http://%s:%s", f"[{host}]" if ":" in host else host, port)
+        bound_host, bound_port = addr[0], addr[1]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        logger.info("listening on http://%s:%s", shown, bound_port)
     await stop.wait()
-    logger.info(
-        "stopping: waiting up to %ss for requests in flight", config.server.shutdown_grace_s
-    )
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
+    logger.info("stopping: waiting up to %ss for requests in flight", grace)
     await runner.cleanup()
     logger.info("stopped")
-    return exit_code
+    return True

@@ -26,7 +26,9 @@ def _stop_all_actors() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated_user_dirs(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No test reads the developer's own config or writes to their data dir. The model
     cache stays shared (assembling real models is slow)."""
     home = tmp_path_factory.mktemp("home")

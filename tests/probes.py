@@ -29,7 +29,9 @@ class Probe:
             self.events.append(event)
             self._cond.notify_all()
 
-    def wait_for(self, predicate: Callable[[list[tuple[Any, ...]]], bool], timeout: float = 5.0) -> None:
+    def wait_for(
+        self, predicate: Callable[[list[tuple[Any, ...]]], bool], timeout: float = 5.0
+    ) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: predicate(self.events), timeout=timeout):
                 raise AssertionError(f"timed out waiting; events: {self.events}")

@@ -33,11 +33,9 @@ async def test_loop_keeps_running_while_an_actor_is_busy() -> None:
     ref = start_worker()
     gate = threading.Event()
     call = asyncio.create_task(bridge.call(ref, Worker.block, gate, timeout=10))
-    ticks = 0
     for _ in range(50):
-        await asyncio.sleep(0)
-        ticks += 1
-    assert not call.done() and ticks == 50, "the loop ran 50 turns while the actor was busy"
+        await asyncio.sleep(0)  # the loop keeps turning: 50 turns while the actor is busy
+    assert not call.done()
     gate.set()
     assert await call == "unblocked"
 

@@ -84,26 +84,36 @@ def test_children_start_in_order_and_stop_in_reverse(probe: Probe) -> None:
     tree = Tree(probe, SupFlags(), lambda env: specs(probe, "a", "b", "c"))
     assert probe.of("start") == [("start", "a"), ("start", "b"), ("start", "c")]
     tree.root.stop(block=True, timeout=5)
-    assert probe.of("stop") == [("stop", "c", "normal"), ("stop", "b", "normal"), ("stop", "a", "normal")]
+    assert probe.of("stop") == [
+        ("stop", "c", "normal"),
+        ("stop", "b", "normal"),
+        ("stop", "a", "normal"),
+    ]
     assert tree.registry.whereis("a") is None
     assert [e.kind for e in tree.root_exits] == ["normal"], "an orderly stop is a normal exit"
 
 
 def test_one_for_one_restarts_only_the_failed_child(probe: Probe) -> None:
-    tree = Tree(probe, SupFlags(Strategy.ONE_FOR_ONE, 5, 10), lambda env: specs(probe, "a", "b", "c"))
+    tree = Tree(
+        probe, SupFlags(Strategy.ONE_FOR_ONE, 5, 10), lambda env: specs(probe, "a", "b", "c")
+    )
     a, b, c = tree.ref("a"), tree.ref("b"), tree.ref("c")
     probe.clear()
     tree.crash("b")
     b2 = new_ref_for(tree, "b", b)
     probe.wait_for(lambda evs: ("start", "b") in evs)
-    assert b2 is not b and b2.is_alive()
-    assert tree.ref("a") is a and tree.ref("c") is c
+    assert b2 is not b
+    assert b2.is_alive()
+    assert tree.ref("a") is a
+    assert tree.ref("c") is c
     assert probe.events == [("stop", "b", "crash"), ("start", "b")]
     assert b2.proxy().echo(7).get(timeout=5) == 7
 
 
 def test_one_for_all_restarts_every_child_in_order(probe: Probe) -> None:
-    tree = Tree(probe, SupFlags(Strategy.ONE_FOR_ALL, 5, 10), lambda env: specs(probe, "a", "b", "c"))
+    tree = Tree(
+        probe, SupFlags(Strategy.ONE_FOR_ALL, 5, 10), lambda env: specs(probe, "a", "b", "c")
+    )
     a, b, c = tree.ref("a"), tree.ref("b"), tree.ref("c")
     probe.clear()
     tree.crash("b")
@@ -121,7 +131,9 @@ def test_one_for_all_restarts_every_child_in_order(probe: Probe) -> None:
 
 
 def test_rest_for_one_restarts_the_failed_child_and_those_after_it(probe: Probe) -> None:
-    tree = Tree(probe, SupFlags(Strategy.REST_FOR_ONE, 5, 10), lambda env: specs(probe, "a", "b", "c"))
+    tree = Tree(
+        probe, SupFlags(Strategy.REST_FOR_ONE, 5, 10), lambda env: specs(probe, "a", "b", "c")
+    )
     a = tree.ref("a")
     probe.clear()
     tree.crash("b")
@@ -171,8 +183,10 @@ def test_restart_types(probe: Probe) -> None:
 
 
 def test_restart_intensity_is_a_sliding_window(probe: Probe) -> None:
-    tree = Tree(probe, SupFlags(Strategy.ONE_FOR_ONE, intensity=2, period=10), lambda env: specs(probe, "a"))
-    for i in range(2):
+    tree = Tree(
+        probe, SupFlags(Strategy.ONE_FOR_ONE, intensity=2, period=10), lambda env: specs(probe, "a")
+    )
+    for _i in range(2):
         old = tree.ref("a")
         tree.crash("a")
         new_ref_for(tree, "a", old)
@@ -191,11 +205,19 @@ def test_restart_intensity_is_a_sliding_window(probe: Probe) -> None:
 
 
 def test_exceeding_intensity_stops_every_child_in_reverse_and_escalates(probe: Probe) -> None:
-    tree = Tree(probe, SupFlags(Strategy.ONE_FOR_ONE, intensity=0, period=5), lambda env: specs(probe, "a", "b", "c"))
+    tree = Tree(
+        probe,
+        SupFlags(Strategy.ONE_FOR_ONE, intensity=0, period=5),
+        lambda env: specs(probe, "a", "b", "c"),
+    )
     probe.clear()
     tree.crash("b")
     assert tree.root_exited.wait(5)
-    assert probe.events == [("stop", "b", "crash"), ("stop", "c", "normal"), ("stop", "a", "normal")]
+    assert probe.events == [
+        ("stop", "b", "crash"),
+        ("stop", "c", "normal"),
+        ("stop", "a", "normal"),
+    ]
     assert not tree.root.is_alive()
     entries = {e.name: e for e in tree.registry.entries()}
     assert entries["root"].state == "failed"
@@ -205,7 +227,9 @@ def test_nested_supervisor_escalates_to_its_parent_which_restarts_it(probe: Prob
     metrics = Metrics()
 
     def children(env: SupervisorEnv) -> list[ChildSpec]:
-        inner = supervisor_spec("inner", SupFlags(Strategy.ONE_FOR_ONE, 0, 5), specs(probe, "leaf"), env)
+        inner = supervisor_spec(
+            "inner", SupFlags(Strategy.ONE_FOR_ONE, 0, 5), specs(probe, "leaf"), env
+        )
         return [ChildSpec("sibling", worker(probe)), inner]
 
     tree = Tree(probe, SupFlags(Strategy.ONE_FOR_ONE, 3, 5), children, observer=metrics)
@@ -241,13 +265,19 @@ def test_init_that_hangs_past_start_timeout_is_a_failed_start(probe: Probe) -> N
     probe.block_init["slow"] = gate
     try:
         with pytest.raises(StartFailed, match="took over"):
-            Tree(probe, SupFlags(), lambda env: [ChildSpec("slow", worker(probe), start_timeout=0.2)])
+            Tree(
+                probe, SupFlags(), lambda env: [ChildSpec("slow", worker(probe), start_timeout=0.2)]
+            )
     finally:
         gate.set()
 
 
 def test_failed_restart_is_retried_by_message_until_it_starts(probe: Probe) -> None:
-    tree = Tree(probe, SupFlags(Strategy.ONE_FOR_ONE, intensity=10, period=5), lambda env: specs(probe, "a", "b"))
+    tree = Tree(
+        probe,
+        SupFlags(Strategy.ONE_FOR_ONE, intensity=10, period=5),
+        lambda env: specs(probe, "a", "b"),
+    )
     old = tree.ref("a")
     probe.fail_init["a"] = 3
     tree.crash("a")
@@ -259,7 +289,9 @@ def test_failed_restart_is_retried_by_message_until_it_starts(probe: Probe) -> N
 
 
 def test_failed_restarts_count_towards_intensity(probe: Probe) -> None:
-    tree = Tree(probe, SupFlags(Strategy.ONE_FOR_ONE, intensity=3, period=5), lambda env: specs(probe, "a"))
+    tree = Tree(
+        probe, SupFlags(Strategy.ONE_FOR_ONE, intensity=3, period=5), lambda env: specs(probe, "a")
+    )
     probe.fail_init["a"] = 100
     tree.crash("a")
     assert tree.root_exited.wait(5), "a child that never restarts must escalate"
@@ -281,7 +313,8 @@ def test_expected_error_in_ask_goes_to_caller_and_actor_lives_on(probe: Probe) -
     ref = tree.ref("a")
     with pytest.raises(NotFound):
         ref.proxy().not_found().get(timeout=5)
-    assert ref.is_alive() and tree.ref("a") is ref
+    assert ref.is_alive()
+    assert tree.ref("a") is ref
     assert ref.proxy().echo(2).get(timeout=5) == 2
     assert probe.of("stop") == []
 
@@ -289,7 +322,9 @@ def test_expected_error_in_ask_goes_to_caller_and_actor_lives_on(probe: Probe) -
 def test_simple_one_for_one_dynamic_children(probe: Probe) -> None:
     def children(env: SupervisorEnv) -> list[ChildSpec]:
         template = ChildSpec("model", worker(probe), restart=Restart.TRANSIENT)
-        return [supervisor_spec("models", SupFlags(Strategy.SIMPLE_ONE_FOR_ONE, 5, 10), [template], env)]
+        return [
+            supervisor_spec("models", SupFlags(Strategy.SIMPLE_ONE_FOR_ONE, 5, 10), [template], env)
+        ]
 
     tree = Tree(probe, SupFlags(), children)
     models = tree.proxy("models")
@@ -319,7 +354,9 @@ def test_simple_one_for_one_dynamic_children(probe: Probe) -> None:
 def test_start_child_failure_is_returned_and_supervisor_lives(probe: Probe) -> None:
     def children(env: SupervisorEnv) -> list[ChildSpec]:
         template = ChildSpec("model", worker(probe))
-        return [supervisor_spec("models", SupFlags(Strategy.SIMPLE_ONE_FOR_ONE, 5, 10), [template], env)]
+        return [
+            supervisor_spec("models", SupFlags(Strategy.SIMPLE_ONE_FOR_ONE, 5, 10), [template], env)
+        ]
 
     tree = Tree(probe, SupFlags(), children)
     probe.fail_init["bad"] = 1

@@ -17,4 +17,4 @@ METRICS = web.AppKey("metrics", Metrics)
 # crashed. `barrel serve` shuts down and exits 1; tests may watch it.
 ON_FATAL: web.AppKey[Callable[[str], None]] = web.AppKey("on_fatal")
 
-REQUEST_ID = "barrel.request_id"
+REQUEST_ID = web.RequestKey("request_id", str)

@@ -13,6 +13,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -37,7 +38,7 @@ class TinyShape:
         return hashlib.sha256(raw).hexdigest()[:12]
 
 
-def _tokenizer_fields(reader: gguf.GGUFReader) -> dict[str, object]:
+def _tokenizer_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
     wanted = (
         "tokenizer.ggml.tokens",
         "tokenizer.ggml.token_type",
@@ -81,9 +82,9 @@ def write_tiny_gguf(path: Path, source: Path, shape: TinyShape = TinyShape()) ->
     w.add_token_list(tokens)
     w.add_token_types(tok["tokenizer.ggml.token_type"])
     w.add_token_merges(tok["tokenizer.ggml.merges"])
-    w.add_bos_token_id(int(tok["tokenizer.ggml.bos_token_id"]))  # type: ignore[call-overload]
-    w.add_eos_token_id(int(tok["tokenizer.ggml.eos_token_id"]))  # type: ignore[call-overload]
-    w.add_pad_token_id(int(tok["tokenizer.ggml.padding_token_id"]))  # type: ignore[call-overload]
+    w.add_bos_token_id(int(tok["tokenizer.ggml.bos_token_id"]))
+    w.add_eos_token_id(int(tok["tokenizer.ggml.eos_token_id"]))
+    w.add_pad_token_id(int(tok["tokenizer.ggml.padding_token_id"]))
     w.add_add_bos_token(bool(tok["tokenizer.ggml.add_bos_token"]))
     w.add_chat_template(str(tok["tokenizer.chat_template"]))
 
