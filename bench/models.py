@@ -13,6 +13,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import llama_cpp.llama
@@ -40,11 +41,12 @@ def measure(name: str, path: Path, tokens: int = 128, runs: int = 3) -> str:
     for _ in range(runs):
         llm.reset()
         start = time.perf_counter()
-        out = llm.create_completion("def fibonacci(n):", max_tokens=tokens, temperature=0)
+        out: Any = llm.create_completion("def fibonacci(n):", max_tokens=tokens, temperature=0)
         elapsed = time.perf_counter() - start
         speeds.append(out["usage"]["completion_tokens"] / elapsed)
     size = path.stat().st_size / 2**20
-    return f"{name:24} {size:8.1f} MiB  load {load:5.2f} s  decode {statistics.median(speeds):7.1f} tok/s"
+    speed = statistics.median(speeds)
+    return f"{name:24} {size:8.1f} MiB  load {load:5.2f} s  decode {speed:7.1f} tok/s"
 
 
 def main() -> None:
