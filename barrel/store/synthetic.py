@@ -32,6 +32,10 @@ class TinyShape:
     n_ff: int = 128
     n_ctx_train: int = 8192
     seed: int = 1234
+    # Large enough that greedy output wanders over the vocabulary (multi-byte characters
+    # included) instead of repeating one token.
+    weight_scale: float = 0.5
+    embed_scale: float = 0.5
 
     def key(self) -> str:
         raw = repr(self).encode()
@@ -62,7 +66,7 @@ def write_tiny_gguf(path: Path, source: Path, shape: TinyShape = TinyShape()) ->
     head_dim = shape.n_embd // shape.n_head
     n_embd_kv = head_dim * shape.n_head_kv
 
-    def weight(*dims: int, scale: float = 0.1) -> np.ndarray:
+    def weight(*dims: int, scale: float = shape.weight_scale) -> np.ndarray:
         return (rng.standard_normal(dims, dtype=np.float32) * scale).astype(np.float16)
 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -90,7 +94,7 @@ def write_tiny_gguf(path: Path, source: Path, shape: TinyShape = TinyShape()) ->
 
     # numpy shapes are ggml's ne reversed: a (rows, cols) matrix maps cols -> rows.
     # No output.weight: llama.cpp's qwen2 ties it to token_embd.
-    w.add_tensor("token_embd.weight", weight(n_vocab, shape.n_embd, scale=0.5))
+    w.add_tensor("token_embd.weight", weight(n_vocab, shape.n_embd, scale=shape.embed_scale))
     for i in range(shape.n_layer):
         p = f"blk.{i}"
         w.add_tensor(f"{p}.attn_norm.weight", np.ones(shape.n_embd, dtype=np.float32))

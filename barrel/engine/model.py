@@ -1,0 +1,167 @@
+"""A loaded GGUF model and its vocabulary, over llama.cpp's C API.
+
+Everything here is read-only after `load()` and safe from any thread: tokenizing and
+detokenizing use the vocabulary only, never a context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import llama_cpp as ll
+
+from barrel.engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+_backend_ready = False
+_llama_logger = logging.getLogger("barrel.llama")
+# enum ggml_log_level: 0 none, 1 debug, 2 info, 3 warn, 4 error, 5 continuation
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_last_level = [logging.DEBUG]
+
+
+@ll.llama_log_callback  # type: ignore[untyped-decorator]
+def _log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    # Called from llama.cpp's threads. Its chatter (info/debug) goes to DEBUG: a daemon's
+    # log should not carry a dump of every tensor at each load.
+    lvl = _last_level[0] if level == 5 else _LEVELS.get(level, logging.DEBUG)
+    _last_level[0] = lvl
+    if lvl == logging.INFO:
+        lvl = logging.DEBUG
+    if _llama_logger.isEnabledFor(lvl):
+        _llama_logger.log(lvl, "%s", text.decode("utf-8", errors="replace").rstrip("\n"))
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        ll.llama_backend_init()
+        ll.llama_log_set(_log, ctypes.c_void_p(0))
+        _backend_ready = True
+
+
+class LoadMode(StrEnum):
+    MMAP = "mmap"
+    MLOCK = "mlock"
+    MMAP_MLOCK = "mmap_mlock"
+    NONE = "none"
+
+
+_LOAD_MODES = {
+    LoadMode.MMAP: ll.LLAMA_LOAD_MODE_MMAP,
+    LoadMode.MLOCK: ll.LLAMA_LOAD_MODE_MLOCK,
+    LoadMode.MMAP_MLOCK: ll.LLAMA_LOAD_MODE_MMAP_MLOCK,
+    LoadMode.NONE: ll.LLAMA_LOAD_MODE_NONE,
+}
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    n_gpu_layers: int = 0
+    load_mode: LoadMode = LoadMode.MMAP
+    # llama.cpp's "extra" weight buffers (CPU repack, AMX). Off by default: on CPUs with
+    # AMX the 0.3.36 build crashes in llama_decode with them (guides/performance.md).
+    extra_buffers: bool = False
+    vocab_only: bool = False
+
+
+class LlamaModel:
+    def __init__(self, path: Path, handle: ll.llama_model_p, opts: ModelOptions) -> None:
+        self.path = path
+        self.handle = handle
+        self.options = opts
+        vocab = ll.llama_model_get_vocab(handle)
+        if vocab is None:
+            raise ModelLoadError(f"{path}: model has no vocabulary")
+        self.vocab = vocab
+        self.n_vocab: int = ll.llama_vocab_n_tokens(vocab)
+        self.n_ctx_train: int = ll.llama_model_n_ctx_train(handle)
+        self.n_embd: int = ll.llama_model_n_embd(handle)
+        self.add_bos: bool = ll.llama_vocab_get_add_bos(vocab)
+        self.bos: int = ll.llama_vocab_bos(vocab)
+        self.eos: int = ll.llama_vocab_eos(vocab)
+        # Sliding-window and recurrent models may refuse a partial llama_memory_seq_rm.
+        self.swa: bool = ll.llama_model_n_swa(handle) > 0
+        self.recurrent: bool = bool(
+            ll.llama_model_is_recurrent(handle) or ll.llama_model_is_hybrid(handle)
+        )
+        self._freed = False
+
+    @classmethod
+    def load(cls, path: str | Path, opts: ModelOptions | None = None) -> LlamaModel:
+        opts = opts or ModelOptions()
+        path = Path(path)
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {path}")
+        _init_backend()
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = opts.n_gpu_layers
+        params.load_mode = _LOAD_MODES[opts.load_mode]
+        params.use_extra_bufts = opts.extra_buffers
+        params.vocab_only = opts.vocab_only
+        handle = ll.llama_model_load_from_file(os.fsencode(path), params)
+        if not handle:
+            raise ModelLoadError(f"llama.cpp could not load {path}")
+        return cls(path, handle, opts)
+
+    def free(self) -> None:
+        if not self._freed:
+            self._freed = True
+            ll.llama_model_free(self.handle)
+
+    # -- metadata -----------------------------------------------------------------
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = ll.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            ll.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    @property
+    def size_bytes(self) -> int:
+        return int(ll.llama_model_size(self.handle))
+
+    # -- vocabulary -----------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (ll.llama_token * n_max)()
+        n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = (ll.llama_token * n_max)()
+            n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes of one token (possibly a partial UTF-8 sequence)."""
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: list[int], *, special: bool = False) -> str:
+        return b"".join(self.piece(t, special=special) for t in tokens).decode(
+            "utf-8", errors="replace"
+        )
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a token whose text is exactly `text` (special tokens included)."""
+        ids = self.tokenize(text, add_special=False, parse_special=True)
+        return ids[0] if len(ids) == 1 else None

@@ -1,0 +1,152 @@
+"""One llama.cpp sampler chain per sequence, built from `SamplingParams`.
+
+Order follows llama.cpp's common sampler: logit bias, penalties, DRY, then either greedy,
+mirostat (v1/v2 after temperature), or top-k → typical → top-p → min-p → temperature →
+seeded distribution. A grammar (or lazy grammar) goes first, so every later stage only
+sees tokens the grammar allows. Runs in the engine thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import llama_cpp as ll
+import numpy as np
+
+from barrel.engine.errors import InvalidGrammar
+from barrel.engine.model import LlamaModel
+from barrel.engine.types import SamplingParams, TokenLogprob, TopLogprob
+
+
+class Sampler:
+    def __init__(self, model: LlamaModel, params: SamplingParams, n_ctx: int) -> None:
+        self.params = params
+        self._n_ctx = n_ctx
+        self._model = model
+        self._chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        self._keep: list[object] = []  # ctypes buffers the C side points into
+        try:
+            self._build(model, params)
+        except BaseException:
+            self.free()
+            raise
+
+    def _add(self, smpl: ll.llama_sampler_p | None, what: str) -> None:
+        if not smpl:
+            raise InvalidGrammar(f"llama.cpp refused the {what}")
+        ll.llama_sampler_chain_add(self._chain, smpl)
+
+    def _build(self, model: LlamaModel, p: SamplingParams) -> None:
+        vocab = model.vocab
+        if p.grammar:
+            if p.lazy_grammar:
+                patterns = (ctypes.c_char_p * len(p.grammar_trigger_patterns))(
+                    *[s.encode() for s in p.grammar_trigger_patterns]
+                )
+                tokens = (ll.llama_token * len(p.grammar_trigger_tokens))(*p.grammar_trigger_tokens)
+                self._keep += [patterns, tokens]
+                smpl = ll.llama_sampler_init_grammar_lazy_patterns(
+                    vocab,
+                    p.grammar.encode(),
+                    b"root",
+                    patterns,
+                    len(p.grammar_trigger_patterns),
+                    tokens,
+                    len(p.grammar_trigger_tokens),
+                )
+            else:
+                smpl = ll.llama_sampler_init_grammar(vocab, p.grammar.encode(), b"root")
+            self._add(smpl, "grammar")
+        if p.logit_bias:
+            arr = (ll.llama_logit_bias * len(p.logit_bias))()
+            for i, (tok, bias) in enumerate(p.logit_bias.items()):
+                arr[i].token = tok
+                arr[i].bias = bias
+            self._keep.append(arr)
+            self._add(ll.llama_sampler_init_logit_bias(model.n_vocab, len(arr), arr), "logit bias")
+        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            self._add(
+                ll.llama_sampler_init_penalties(
+                    model.n_vocab,
+                    self._window(p.penalty_last_n),
+                    p.repeat_penalty,
+                    p.frequency_penalty,
+                    p.presence_penalty,
+                ),
+                "penalties",
+            )
+        if p.dry_multiplier > 0:
+            breakers = (ctypes.c_char_p * len(p.dry_sequence_breakers))(
+                *[s.encode() for s in p.dry_sequence_breakers]
+            )
+            self._keep.append(breakers)
+            self._add(
+                ll.llama_sampler_init_dry(
+                    vocab,
+                    p.dry_multiplier,
+                    p.dry_base,
+                    p.dry_allowed_length,
+                    self._window(p.dry_penalty_last_n),
+                    breakers,
+                    len(p.dry_sequence_breakers),
+                ),
+                "DRY sampler",
+            )
+        seed = p.seed if p.seed is not None else random.getrandbits(32)
+        if p.greedy:
+            self._add(ll.llama_sampler_init_greedy(), "greedy sampler")
+        elif p.mirostat == 1:
+            self._add(ll.llama_sampler_init_temp(p.temperature), "temperature")
+            self._add(
+                ll.llama_sampler_init_mirostat(model.n_vocab, seed, p.mirostat_tau, p.mirostat_eta, 100),
+                "mirostat",
+            )
+        elif p.mirostat == 2:
+            self._add(ll.llama_sampler_init_temp(p.temperature), "temperature")
+            self._add(ll.llama_sampler_init_mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta), "mirostat")
+        else:
+            if p.top_k > 0:
+                self._add(ll.llama_sampler_init_top_k(p.top_k), "top-k")
+            if p.typical_p < 1.0:
+                self._add(ll.llama_sampler_init_typical(p.typical_p, 1), "typical-p")
+            if p.top_p < 1.0:
+                self._add(ll.llama_sampler_init_top_p(p.top_p, 1), "top-p")
+            if p.min_p > 0.0:
+                self._add(ll.llama_sampler_init_min_p(p.min_p, 1), "min-p")
+            self._add(ll.llama_sampler_init_temp(p.temperature), "temperature")
+            self._add(ll.llama_sampler_init_dist(seed & 0xFFFFFFFF), "distribution")
+
+    def _window(self, last_n: int) -> int:
+        # The APIs say -1 for "the whole context"; llama.cpp's samplers take a count and
+        # treat anything below 1 as "off".
+        return self._n_ctx if last_n < 0 else last_n
+
+    def sample(self, ctx: ll.llama_context_p, index: int) -> int:
+        """Sample from the logits of batch position `index` and accept the token."""
+        return int(ll.llama_sampler_sample(self._chain, ctx, index))
+
+    def logprobs(self, ctx: ll.llama_context_p, index: int, token: int) -> TokenLogprob:
+        """Log-probabilities from the raw logits (before sampling transforms), as the
+        OpenAI API reports them."""
+        ptr = ll.llama_get_logits_ith(ctx, index)
+        logits = np.ctypeslib.as_array(ptr, shape=(self._model.n_vocab,))
+        shifted = logits - logits.max()
+        logsum = float(np.log(np.exp(shifted).sum()))
+        n = self.params.logprobs or 0
+        top: tuple[TopLogprob, ...] = ()
+        if n > 0:
+            ids = np.argpartition(-shifted, n)[:n]
+            ids = ids[np.argsort(-shifted[ids])]
+            top = tuple(
+                TopLogprob(int(t), self._text(int(t)), float(shifted[t]) - logsum) for t in ids
+            )
+        return TokenLogprob(token, self._text(token), float(shifted[token]) - logsum, top)
+
+    def _text(self, token: int) -> str:
+        return self._model.piece(token).decode("utf-8", errors="replace")
+
+    def free(self) -> None:
+        if self._chain:
+            ll.llama_sampler_free(self._chain)
+            self._chain = None

@@ -1,0 +1,133 @@
+"""What goes into the engine and what comes out of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NewType
+
+import msgspec
+
+RequestId = NewType("RequestId", int)
+SessionId = NewType("SessionId", str)
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Every sampling option the three APIs pass, in llama.cpp's terms."""
+
+    temperature: float = 0.8  # <= 0: greedy
+    top_k: int = 40  # <= 0: off
+    top_p: float = 0.95  # 1.0: off
+    min_p: float = 0.05  # 0.0: off
+    typical_p: float = 1.0  # 1.0: off
+    repeat_penalty: float = 1.0  # 1.0: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64  # -1: the whole context
+    seed: int | None = None  # None: random
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    mirostat: int = 0  # 0 off, 1 v1, 2 v2
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    dry_multiplier: float = 0.0  # 0.0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] = msgspec.field(
+        default_factory=lambda: ["\n", ":", '"', "*"]
+    )
+    grammar: str | None = None  # GBNF, root rule "root"
+    # Lazy grammar: free sampling until one of these regex patterns matches the output
+    # (or one of the tokens is sampled), then the grammar applies from the match on.
+    grammar_trigger_patterns: list[str] = msgspec.field(default_factory=list)
+    grammar_trigger_tokens: list[int] = msgspec.field(default_factory=list)
+    logprobs: int | None = None  # None: off; N: the chosen token plus the top N
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 and self.mirostat == 0
+
+    @property
+    def lazy_grammar(self) -> bool:
+        return bool(self.grammar and (self.grammar_trigger_patterns or self.grammar_trigger_tokens))
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: list[int]
+    sampling: SamplingParams = GREEDY
+    max_tokens: int | None = None  # None: until EOG or the context is full
+    stop: tuple[str, ...] = ()
+    session: SessionId | None = None
+    ignore_eos: bool = False
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens or the context is full
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one sequence in one step. `text` is whole UTF-8 characters with
+    stop-string candidates held back; `tokens` are the ids sampled this step."""
+
+    text: str
+    tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_reused: int  # taken from the KV cache (a parked sequence or the state cache)
+    prompt_computed: int  # prefilled this time
+    # Why nothing (or less) was reused although a prefix matched, e.g. a sliding-window
+    # model refused a partial KV removal: "" when reuse went as planned.
+    reuse_note: str = ""
+
+
+@dataclass(frozen=True)
+class Timings:
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+    time_to_first_token_s: float
+
+    def prefill_tps(self, n: int) -> float:
+        return n / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    def decode_tps(self, n: int) -> float:
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    stop_sequence: str | None = None
+    tokens: tuple[int, ...] = field(default=())  # every generated token, in order
+
+
+Event = Delta | Done

@@ -1,0 +1,346 @@
+"""The continuous-batching engine over real llama.cpp, on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+from barrel.pipeline.grammar import json_schema_grammar
+
+from barrel.engine.engine import Engine, EngineOptions
+from barrel.engine.errors import EngineCrashed, PromptTooLong
+from barrel.engine.model import LlamaModel
+from barrel.engine.types import (
+    Delta,
+    Done,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    SessionId,
+)
+
+PROMPTS = ["Hello world", "Once upon a time", "def f(x):", "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path: Path) -> Iterator[LlamaModel]:
+    m = LlamaModel.load(tiny_path)
+    yield m
+    m.free()
+
+
+@pytest.fixture
+async def engine(model: LlamaModel) -> AsyncIterator[Engine]:
+    e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=4)).start()
+    yield e
+    await asyncio.to_thread(e.stop)
+
+
+async def generate(engine: Engine, req: GenerationRequest) -> tuple[str, Done, list[Delta]]:
+    deltas, done = await engine.submit(req).collect()
+    return "".join(d.text for d in deltas), done, deltas
+
+
+def req(model: LlamaModel, text: str, **kw: object) -> GenerationRequest:
+    return GenerationRequest(model.tokenize(text), **kw)  # type: ignore[arg-type]
+
+
+async def test_concurrent_sequences_match_each_alone_at_temperature_0(
+    engine: Engine, model: LlamaModel
+) -> None:
+    prompts = [*PROMPTS, "import numpy as np", "SELECT * FROM", "Dear Sir,", "1, 2, 3,"]
+    alone = [(await generate(engine, req(model, p, max_tokens=40)))[1].tokens for p in prompts]
+    # 8 requests on 4 sequences: four run, four wait, all in one batch at a time
+    together = await asyncio.gather(*(generate(engine, req(model, p, max_tokens=40)) for p in prompts))
+    assert [done.tokens for _, done, _ in together] == alone
+    assert len({t for t in alone}) == len(prompts), "distinct prompts give distinct outputs"
+
+
+async def test_text_is_whole_utf8_and_matches_the_tokens(engine: Engine, model: LlamaModel) -> None:
+    text, done, deltas = await generate(engine, req(model, "Hello world", max_tokens=120))
+    assert text == model.detokenize(list(done.tokens))
+    assert any(ord(c) > 0x7F for c in text), "the tiny model emits multi-byte characters"
+    # every token arrives exactly once, in order
+    assert [t for d in deltas for t in d.tokens] == list(done.tokens)
+    assert done.finish_reason is FinishReason.LENGTH
+    assert done.usage.completion_tokens == 120
+
+
+async def test_stop_string_across_tokens_stops_and_is_never_emitted(
+    engine: Engine, model: LlamaModel
+) -> None:
+    _, free_run, _ = await generate(engine, req(model, "Once upon a time", max_tokens=60))
+    pieces = [model.detokenize([t]) for t in free_run.tokens]
+    # a stop string made of the end of token 10 and the start of token 11
+    i = next(i for i in range(10, 50) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    full = model.detokenize(list(free_run.tokens))
+    text, done, _ = await generate(engine, req(model, "Once upon a time", max_tokens=60, stop=(stop,)))
+    assert stop not in text
+    assert text == full[: full.index(stop)]
+    assert done.finish_reason is FinishReason.STOP
+    assert done.stop_sequence == stop
+
+
+async def test_max_tokens_and_full_context_end_with_length(model: LlamaModel) -> None:
+    e = Engine(model, EngineOptions(n_ctx=64, n_seq_max=1)).start()
+    try:
+        prompt = model.tokenize("Hello world")
+        text, done, _ = await generate(e, GenerationRequest(prompt))
+        assert done.finish_reason is FinishReason.LENGTH
+        assert len(prompt) + done.usage.completion_tokens == 64
+        with pytest.raises(PromptTooLong):
+            e.submit(GenerationRequest(list(range(100, 164))))
+    finally:
+        e.stop()
+
+
+async def test_cancelled_sequence_frees_its_slot_within_one_step(model: LlamaModel) -> None:
+    e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=1)).start()
+    try:
+        first = e.submit(req(model, "Hello world", max_tokens=1000))
+        second = e.submit(req(model, "Once upon a time", max_tokens=5))
+        await anext(first)
+        cancelled_at = e.steps
+        first.cancel()
+        _, done = await first.collect()
+        assert done.finish_reason is FinishReason.CANCELLED
+        assert done.usage.completion_tokens < 1000
+        await anext(second)
+        # the step in flight when the cancel came, then the waiting request's prefill
+        assert e.steps <= cancelled_at + 2
+        _, done2 = await second.collect()
+        assert done2.finish_reason is FinishReason.LENGTH
+    finally:
+        e.stop()
+
+
+async def test_cancelling_a_queued_request(model: LlamaModel) -> None:
+    e = Engine(model, EngineOptions(n_ctx=512, n_seq_max=1)).start()
+    try:
+        running = e.submit(req(model, "Hello", max_tokens=200))
+        queued = e.submit(req(model, "World", max_tokens=200))
+        queued.cancel()
+        _, done = await queued.collect()
+        assert done.finish_reason is FinishReason.CANCELLED
+        assert done.usage.completion_tokens == 0
+        _, done = await running.collect()
+        assert done.usage.completion_tokens == 200
+    finally:
+        e.stop()
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+async def test_grammar_output_validates_against_the_schema_for_20_seeds(
+    engine: Engine, model: LlamaModel
+) -> None:
+    grammar = json_schema_grammar(SCHEMA)
+
+    async def one(seed: int) -> str:
+        sampling = SamplingParams(temperature=1.0, seed=seed, grammar=grammar)
+        text, done, _ = await generate(engine, req(model, "JSON:", sampling=sampling, max_tokens=400))
+        assert done.finish_reason is FinishReason.STOP, (seed, text)
+        return text
+
+    texts = await asyncio.gather(*(one(seed) for seed in range(20)))
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > 1, "different seeds sample different documents"
+
+
+async def test_lazy_grammar_applies_only_after_its_trigger(engine: Engine, model: LlamaModel) -> None:
+    _, free_run, _ = await generate(engine, req(model, "Hello world", max_tokens=30))
+    pieces = [model.detokenize([t]) for t in free_run.tokens]
+    i = next(i for i in range(2, 30) if pieces[i].isascii() and pieces[i].strip())
+    word = pieces[i]  # free-running output reaches this token
+    # The pattern must match the whole output so far; the grammar is fed the output from
+    # the first capture group on, so it starts with the trigger word.
+    grammar = f'root ::= {json.dumps(word)} "<call>" [0-9]{{3}} "</call>"'
+    by_pattern = SamplingParams(
+        temperature=0.0, grammar=grammar, grammar_trigger_patterns=[rf"[\s\S]*?({re.escape(word)})[\s\S]*"]
+    )
+    by_token = SamplingParams(temperature=0.0, grammar=grammar, grammar_trigger_tokens=[free_run.tokens[i]])
+    prefix = model.detokenize(list(free_run.tokens[:i]))
+    for sampling in (by_pattern, by_token):
+        text, done, _ = await generate(engine, req(model, "Hello world", sampling=sampling, max_tokens=60))
+        assert text.startswith(prefix), "free sampling until the trigger"
+        assert re.fullmatch(r"<call>[0-9]{3}</call>", text[len(prefix) + len(word) :]), text
+        assert done.finish_reason is FinishReason.STOP
+
+
+async def test_seed_makes_sampling_reproducible(engine: Engine, model: LlamaModel) -> None:
+    def sampling(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=1.2, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+
+    a = (await generate(engine, req(model, "Hi", sampling=sampling(7), max_tokens=30)))[1].tokens
+    b = (await generate(engine, req(model, "Hi", sampling=sampling(7), max_tokens=30)))[1].tokens
+    c = (await generate(engine, req(model, "Hi", sampling=sampling(8), max_tokens=30)))[1].tokens
+    assert a == b
+    assert a != c
+
+
+async def test_logit_bias_and_sampler_options(engine: Engine, model: LlamaModel) -> None:
+    forced = model.tokenize(" banana", add_special=False)[0]
+    sampling = SamplingParams(temperature=0.0, logit_bias={forced: 100.0})
+    _, done, _ = await generate(engine, req(model, "Hello", sampling=sampling, max_tokens=5))
+    assert set(done.tokens) == {forced}
+    # every other option builds a working chain
+    for options in (
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.1, typical_p=0.9, seed=1),
+        SamplingParams(temperature=0.7, repeat_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0.7, dry_multiplier=0.8, seed=2),
+        SamplingParams(temperature=0.7, mirostat=1, seed=3),
+        SamplingParams(temperature=0.7, mirostat=2, seed=4),
+    ):
+        _, done, _ = await generate(engine, req(model, "Hello", sampling=options, max_tokens=8))
+        assert done.usage.completion_tokens == 8, options
+
+
+async def test_repeat_penalty_changes_greedy_output(engine: Engine, model: LlamaModel) -> None:
+    plain = (await generate(engine, req(model, "Hello world", max_tokens=80)))[1].tokens
+    assert len(set(plain)) < len(plain), "unpenalised greedy output repeats tokens"
+    penalised = SamplingParams(temperature=0.0, presence_penalty=50.0, penalty_last_n=-1)
+    tokens = (await generate(engine, req(model, "Hello world", sampling=penalised, max_tokens=80)))[1].tokens
+    assert len(set(tokens)) == len(tokens), "a presence penalty of 50 forbids any repeat"
+
+
+async def test_logprobs_report_the_top_alternatives(engine: Engine, model: LlamaModel) -> None:
+    sampling = SamplingParams(temperature=0.0, logprobs=3)
+    _, done, deltas = await generate(engine, req(model, "Hello", sampling=sampling, max_tokens=5))
+    lps = [lp for d in deltas for lp in d.logprobs]
+    assert len(lps) == 5
+    for lp in lps:
+        assert len(lp.top) == 3
+        assert lp.top[0].token == lp.token, "greedy picks the most likely token"
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+        assert lp.logprob <= 0.0
+
+
+async def test_second_turn_reuses_the_parked_sequence(engine: Engine, model: LlamaModel) -> None:
+    session = SessionId("conv-1")
+    first = req(model, "Hello world", max_tokens=20, session=session)
+    _, done1, _ = await generate(engine, first)
+    assert done1.usage.prompt_reused == 0
+    # another session runs in between on another sequence
+    await generate(engine, req(model, "Unrelated", max_tokens=20, session=SessionId("other")))
+    turn2 = [*first.prompt, *done1.tokens, *model.tokenize(" and more", add_special=False)]
+    _, done2, _ = await generate(engine, GenerationRequest(turn2, max_tokens=5, session=session))
+    assert done2.usage.prompt_reused == len(first.prompt) + len(done1.tokens) - 1
+    assert done2.usage.prompt_computed == len(turn2) - done2.usage.prompt_reused
+
+
+async def test_evicted_sequence_is_restored_from_the_state_cache(model: LlamaModel) -> None:
+    e = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=1)).start()
+    try:
+        a = req(model, "The quick brown fox", max_tokens=30, session=SessionId("a"))
+        _, done_a, _ = await generate(e, a)
+        # b takes the only sequence: a's state goes to the RAM cache
+        await generate(e, req(model, "Lorem ipsum", max_tokens=30, session=SessionId("b")))
+        assert len(e.cache) == 1
+        turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" jumps", add_special=False)]
+        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=10, session=SessionId("a")))
+        assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
+        # and the restored state is right: same output as a cold run
+        cold = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=1, state_cache_bytes=0)).start()
+        try:
+            _, done_cold, _ = await generate(cold, GenerationRequest(turn2, max_tokens=10))
+        finally:
+            cold.stop()
+        assert done2.tokens == done_cold.tokens
+    finally:
+        e.stop()
+
+
+async def test_state_cache_spills_to_disk(model: LlamaModel, tmp_path: Path) -> None:
+    # About one state fits in RAM (the tiny model holds 256 bytes of KV per token); the
+    # older ones spill to disk.
+    opts = EngineOptions(
+        n_ctx=1024,
+        n_seq_max=1,
+        state_cache_bytes=40_000,
+        state_cache_dir=tmp_path,
+        state_cache_disk_bytes=1 << 30,
+    )
+    e = Engine(model, opts).start()
+    try:
+        a = req(model, "Alpha beta gamma", max_tokens=20, session=SessionId("a"))
+        _, done_a, _ = await generate(e, a)
+        for i in range(4):  # enough other sessions to push a's state out of RAM
+            await generate(e, req(model, f"Other {i} " * 20, max_tokens=20, session=SessionId(f"o{i}")))
+        assert list(tmp_path.glob("*.state")), "a state was written to disk"
+        turn2 = [*a.prompt, *done_a.tokens]
+        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5, session=SessionId("a")))
+        assert done2.usage.prompt_reused == len(turn2) - 1
+    finally:
+        e.stop()
+
+
+async def test_slow_reader_does_not_stall_the_others(model: LlamaModel) -> None:
+    e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=2)).start()
+    try:
+        slow = e.submit(req(model, "Hello world", max_tokens=400))
+        slow.high_water = 8
+        _, fast_done, _ = await generate(e, req(model, "Once upon a time", max_tokens=300))
+        assert fast_done.usage.completion_tokens == 300
+        assert slow.paused, "the unread stream was paused"
+        assert slow.backlog <= 8 + 2, "its backlog stopped growing"
+        _, slow_done = await slow.collect()
+        assert slow_done.usage.completion_tokens == 400
+    finally:
+        e.stop()
+
+
+async def test_injected_crash_fails_every_request_in_flight(model: LlamaModel) -> None:
+    crashes: list[BaseException] = []
+    e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=2), on_crash=crashes.append).start()
+    streams = [e.submit(req(model, p, max_tokens=2000)) for p in PROMPTS]  # 2 run, 2 wait
+    for s in streams[:2]:
+        await anext(s)
+    e.inject_fault(RuntimeError("injected"))
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for s in streams:
+        with pytest.raises(EngineCrashed, match="injected"):
+            await asyncio.wait_for(s.collect(), 2)
+    assert loop.time() - start < 2
+    assert e._thread is not None
+    await asyncio.to_thread(e._thread.join, 5)
+    assert [str(c) for c in crashes] == ["injected"]
+    with pytest.raises(Exception, match="not running"):
+        e.submit(req(model, "again"))
+    e.stop()
+
+
+async def test_embeddings(model: LlamaModel) -> None:
+    e = Engine(model, EngineOptions(n_ctx=512, n_seq_max=4, embedding=True)).start()
+    try:
+        texts = ["hello world", "goodbye moon", "hello world", "a b c d e f", "x"]
+        vectors = await e.embed([model.tokenize(t) for t in texts])
+        assert len(vectors) == 5
+        assert all(len(v) == model.n_embd for v in vectors)
+        assert all(abs(sum(x * x for x in v) - 1.0) < 1e-6 for v in vectors)
+        assert vectors[0] == pytest.approx(vectors[2], abs=1e-5)
+        assert vectors[0] != pytest.approx(vectors[1], abs=1e-3)
+        single = await e.embed([model.tokenize("goodbye moon")])
+        assert single[0] == pytest.approx(vectors[1], abs=1e-4), "batching does not change a vector"
+        raw = await e.embed([model.tokenize("x")], normalize=False)
+        assert abs(sum(x * x for x in raw[0]) - 1.0) > 1e-3
+    finally:
+        e.stop()
