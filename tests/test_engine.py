@@ -10,7 +10,6 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from barrel.pipeline.grammar import json_schema_grammar
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.errors import EngineCrashed, PromptTooLong
@@ -23,6 +22,7 @@ from barrel.engine.types import (
     SamplingParams,
     SessionId,
 )
+from barrel.pipeline.grammar import json_schema_grammar
 
 PROMPTS = ["Hello world", "Once upon a time", "def f(x):", "The capital of France is"]
 
@@ -56,7 +56,9 @@ async def test_concurrent_sequences_match_each_alone_at_temperature_0(
     prompts = [*PROMPTS, "import numpy as np", "SELECT * FROM", "Dear Sir,", "1, 2, 3,"]
     alone = [(await generate(engine, req(model, p, max_tokens=40)))[1].tokens for p in prompts]
     # 8 requests on 4 sequences: four run, four wait, all in one batch at a time
-    together = await asyncio.gather(*(generate(engine, req(model, p, max_tokens=40)) for p in prompts))
+    together = await asyncio.gather(
+        *(generate(engine, req(model, p, max_tokens=40)) for p in prompts)
+    )
     assert [done.tokens for _, done, _ in together] == alone
     assert len({t for t in alone}) == len(prompts), "distinct prompts give distinct outputs"
 
@@ -80,7 +82,9 @@ async def test_stop_string_across_tokens_stops_and_is_never_emitted(
     i = next(i for i in range(10, 50) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
     stop = pieces[i][-2:] + pieces[i + 1][:2]
     full = model.detokenize(list(free_run.tokens))
-    text, done, _ = await generate(engine, req(model, "Once upon a time", max_tokens=60, stop=(stop,)))
+    text, done, _ = await generate(
+        engine, req(model, "Once upon a time", max_tokens=60, stop=(stop,))
+    )
     assert stop not in text
     assert text == full[: full.index(stop)]
     assert done.finish_reason is FinishReason.STOP
@@ -91,7 +95,7 @@ async def test_max_tokens_and_full_context_end_with_length(model: LlamaModel) ->
     e = Engine(model, EngineOptions(n_ctx=64, n_seq_max=1)).start()
     try:
         prompt = model.tokenize("Hello world")
-        text, done, _ = await generate(e, GenerationRequest(prompt))
+        _text, done, _ = await generate(e, GenerationRequest(prompt))
         assert done.finish_reason is FinishReason.LENGTH
         assert len(prompt) + done.usage.completion_tokens == 64
         with pytest.raises(PromptTooLong):
@@ -155,7 +159,9 @@ async def test_grammar_output_validates_against_the_schema_for_20_seeds(
 
     async def one(seed: int) -> str:
         sampling = SamplingParams(temperature=1.0, seed=seed, grammar=grammar)
-        text, done, _ = await generate(engine, req(model, "JSON:", sampling=sampling, max_tokens=400))
+        text, done, _ = await generate(
+            engine, req(model, "JSON:", sampling=sampling, max_tokens=400)
+        )
         assert done.finish_reason is FinishReason.STOP, (seed, text)
         return text
 
@@ -165,7 +171,9 @@ async def test_grammar_output_validates_against_the_schema_for_20_seeds(
     assert len(set(texts)) > 1, "different seeds sample different documents"
 
 
-async def test_lazy_grammar_applies_only_after_its_trigger(engine: Engine, model: LlamaModel) -> None:
+async def test_lazy_grammar_applies_only_after_its_trigger(
+    engine: Engine, model: LlamaModel
+) -> None:
     _, free_run, _ = await generate(engine, req(model, "Hello world", max_tokens=30))
     pieces = [model.detokenize([t]) for t in free_run.tokens]
     i = next(i for i in range(2, 30) if pieces[i].isascii() and pieces[i].strip())
@@ -174,12 +182,18 @@ async def test_lazy_grammar_applies_only_after_its_trigger(engine: Engine, model
     # the first capture group on, so it starts with the trigger word.
     grammar = f'root ::= {json.dumps(word)} "<call>" [0-9]{{3}} "</call>"'
     by_pattern = SamplingParams(
-        temperature=0.0, grammar=grammar, grammar_trigger_patterns=[rf"[\s\S]*?({re.escape(word)})[\s\S]*"]
+        temperature=0.0,
+        grammar=grammar,
+        grammar_trigger_patterns=[rf"[\s\S]*?({re.escape(word)})[\s\S]*"],
     )
-    by_token = SamplingParams(temperature=0.0, grammar=grammar, grammar_trigger_tokens=[free_run.tokens[i]])
+    by_token = SamplingParams(
+        temperature=0.0, grammar=grammar, grammar_trigger_tokens=[free_run.tokens[i]]
+    )
     prefix = model.detokenize(list(free_run.tokens[:i]))
     for sampling in (by_pattern, by_token):
-        text, done, _ = await generate(engine, req(model, "Hello world", sampling=sampling, max_tokens=60))
+        text, done, _ = await generate(
+            engine, req(model, "Hello world", sampling=sampling, max_tokens=60)
+        )
         assert text.startswith(prefix), "free sampling until the trigger"
         assert re.fullmatch(r"<call>[0-9]{3}</call>", text[len(prefix) + len(word) :]), text
         assert done.finish_reason is FinishReason.STOP
@@ -204,7 +218,9 @@ async def test_logit_bias_and_sampler_options(engine: Engine, model: LlamaModel)
     # every other option builds a working chain
     for options in (
         SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.1, typical_p=0.9, seed=1),
-        SamplingParams(temperature=0.7, repeat_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
+        SamplingParams(
+            temperature=0.7, repeat_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5
+        ),
         SamplingParams(temperature=0.7, dry_multiplier=0.8, seed=2),
         SamplingParams(temperature=0.7, mirostat=1, seed=3),
         SamplingParams(temperature=0.7, mirostat=2, seed=4),
@@ -217,13 +233,15 @@ async def test_repeat_penalty_changes_greedy_output(engine: Engine, model: Llama
     plain = (await generate(engine, req(model, "Hello world", max_tokens=80)))[1].tokens
     assert len(set(plain)) < len(plain), "unpenalised greedy output repeats tokens"
     penalised = SamplingParams(temperature=0.0, presence_penalty=50.0, penalty_last_n=-1)
-    tokens = (await generate(engine, req(model, "Hello world", sampling=penalised, max_tokens=80)))[1].tokens
+    tokens = (await generate(engine, req(model, "Hello world", sampling=penalised, max_tokens=80)))[
+        1
+    ].tokens
     assert len(set(tokens)) == len(tokens), "a presence penalty of 50 forbids any repeat"
 
 
 async def test_logprobs_report_the_top_alternatives(engine: Engine, model: LlamaModel) -> None:
     sampling = SamplingParams(temperature=0.0, logprobs=3)
-    _, done, deltas = await generate(engine, req(model, "Hello", sampling=sampling, max_tokens=5))
+    _, _done, deltas = await generate(engine, req(model, "Hello", sampling=sampling, max_tokens=5))
     lps = [lp for d in deltas for lp in d.logprobs]
     assert len(lps) == 5
     for lp in lps:
@@ -255,7 +273,9 @@ async def test_evicted_sequence_is_restored_from_the_state_cache(model: LlamaMod
         await generate(e, req(model, "Lorem ipsum", max_tokens=30, session=SessionId("b")))
         assert len(e.cache) == 1
         turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" jumps", add_special=False)]
-        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=10, session=SessionId("a")))
+        _, done2, _ = await generate(
+            e, GenerationRequest(turn2, max_tokens=10, session=SessionId("a"))
+        )
         assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
         # and the restored state is right: same output as a cold run
         cold = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=1, state_cache_bytes=0)).start()
@@ -283,10 +303,15 @@ async def test_state_cache_spills_to_disk(model: LlamaModel, tmp_path: Path) -> 
         a = req(model, "Alpha beta gamma", max_tokens=20, session=SessionId("a"))
         _, done_a, _ = await generate(e, a)
         for i in range(4):  # enough other sessions to push a's state out of RAM
-            await generate(e, req(model, f"Other {i} " * 20, max_tokens=20, session=SessionId(f"o{i}")))
-        assert list(tmp_path.glob("*.state")), "a state was written to disk"
+            await generate(
+                e, req(model, f"Other {i} " * 20, max_tokens=20, session=SessionId(f"o{i}"))
+            )
+        spilled = await asyncio.to_thread(lambda: list(tmp_path.glob("*.state")))
+        assert spilled, "a state was written to disk"
         turn2 = [*a.prompt, *done_a.tokens]
-        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5, session=SessionId("a")))
+        _, done2, _ = await generate(
+            e, GenerationRequest(turn2, max_tokens=5, session=SessionId("a"))
+        )
         assert done2.usage.prompt_reused == len(turn2) - 1
     finally:
         e.stop()

@@ -133,7 +133,9 @@ class LlamaModel:
 
     # -- vocabulary -----------------------------------------------------------------
 
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         data = text.encode("utf-8")
         n_max = len(data) + 8
         buf = (ll.llama_token * n_max)()
@@ -141,7 +143,9 @@ class LlamaModel:
         if n < 0:
             n_max = -n
             buf = (ll.llama_token * n_max)()
-            n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+            n = ll.llama_tokenize(
+                self.vocab, data, len(data), buf, n_max, add_special, parse_special
+            )
         return list(buf[:n])
 
     def piece(self, token: int, *, special: bool = False) -> bytes:

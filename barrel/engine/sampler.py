@@ -61,7 +61,7 @@ class Sampler:
         if p.logit_bias:
             arr = (ll.llama_logit_bias * len(p.logit_bias))()
             for i, (tok, bias) in enumerate(p.logit_bias.items()):
-                arr[i].token = tok
+                arr[i].token = tok  # type: ignore[assignment]
                 arr[i].bias = bias
             self._keep.append(arr)
             self._add(ll.llama_sampler_init_logit_bias(model.n_vocab, len(arr), arr), "logit bias")
@@ -99,12 +99,16 @@ class Sampler:
         elif p.mirostat == 1:
             self._add(ll.llama_sampler_init_temp(p.temperature), "temperature")
             self._add(
-                ll.llama_sampler_init_mirostat(model.n_vocab, seed, p.mirostat_tau, p.mirostat_eta, 100),
+                ll.llama_sampler_init_mirostat(
+                    model.n_vocab, seed, p.mirostat_tau, p.mirostat_eta, 100
+                ),
                 "mirostat",
             )
         elif p.mirostat == 2:
             self._add(ll.llama_sampler_init_temp(p.temperature), "temperature")
-            self._add(ll.llama_sampler_init_mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta), "mirostat")
+            self._add(
+                ll.llama_sampler_init_mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta), "mirostat"
+            )
         else:
             if p.top_k > 0:
                 self._add(ll.llama_sampler_init_top_k(p.top_k), "top-k")

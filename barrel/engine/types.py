@@ -33,9 +33,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     dry_base: float = 1.75
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
-    dry_sequence_breakers: list[str] = msgspec.field(
-        default_factory=lambda: ["\n", ":", '"', "*"]
-    )
+    dry_sequence_breakers: list[str] = msgspec.field(default_factory=lambda: ["\n", ":", '"', "*"])
     grammar: str | None = None  # GBNF, root rule "root"
     # Lazy grammar: free sampling until one of these regex patterns matches the output
     # (or one of the tokens is sampled), then the grammar applies from the match on.

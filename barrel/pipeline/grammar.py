@@ -20,7 +20,7 @@ _STRICT_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F]'
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
     """A GBNF grammar (root rule `root`) accepting exactly the JSON documents that
     validate against `schema`."""
-    grammar = json_schema_to_gbnf(json.dumps(schema))
+    grammar: str = json_schema_to_gbnf(json.dumps(schema))
     if _LOOSE_CHAR not in grammar and "char ::=" in grammar:
         raise RuntimeError("llama-cpp-python's JSON grammar changed; review json_schema_grammar")
     return grammar.replace(_LOOSE_CHAR, _STRICT_CHAR)

@@ -1,0 +1,149 @@
+"""Engine options, and the llama_context and batch they describe."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as ll
+
+from barrel.engine.errors import ModelLoadError
+from barrel.engine.model import LlamaModel
+
+
+class KVType(StrEnum):
+    F16 = "f16"
+    Q8_0 = "q8_0"
+    Q4_0 = "q4_0"
+
+
+_KV_TYPES = {
+    KVType.F16: ll.GGML_TYPE_F16,
+    KVType.Q8_0: ll.GGML_TYPE_Q8_0,
+    KVType.Q4_0: ll.GGML_TYPE_Q4_0,
+}
+_FLASH = {
+    "auto": ll.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": ll.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": ll.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+_POOLING = {
+    "model": ll.LLAMA_POOLING_TYPE_UNSPECIFIED,
+    "mean": ll.LLAMA_POOLING_TYPE_MEAN,
+    "cls": ll.LLAMA_POOLING_TYPE_CLS,
+    "last": ll.LLAMA_POOLING_TYPE_LAST,
+}
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    path: Path
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_seq_max: int = 4
+    threads: int = 0  # 0: every core
+    kv_type: KVType = KVType.F16
+    flash_attn: str = "auto"  # auto | on | off
+    # Keep full sliding-window caches so a partial KV removal always works (more memory).
+    swa_full: bool = False
+    # Prompt tokens per step while other sequences generate: bounds their stall.
+    prefill_chunk: int = 128
+    state_cache_bytes: int = 256 * 1024 * 1024  # 0: off
+    state_cache_dir: Path | None = None
+    state_cache_disk_bytes: int = 1024 * 1024 * 1024
+    loras: tuple[LoraAdapter, ...] = ()
+    # Embedding mode: the context outputs pooled embeddings instead of logits.
+    embedding: bool = False
+    pooling: str = "model"  # model (from the GGUF, mean if it has none) | mean | cls | last
+
+
+def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
+    """Create the context. kv_unified is on: one request may use the whole n_ctx."""
+    params = ll.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = opts.n_batch
+    params.n_ubatch = min(opts.n_ubatch, opts.n_batch)
+    params.n_seq_max = opts.n_seq_max
+    threads = opts.threads or os.cpu_count() or 1
+    params.n_threads = threads
+    params.n_threads_batch = threads
+    params.type_k = _KV_TYPES[opts.kv_type]
+    params.type_v = _KV_TYPES[opts.kv_type]
+    params.flash_attn_type = _FLASH[opts.flash_attn]
+    params.kv_unified = True
+    params.swa_full = opts.swa_full
+    params.no_perf = True
+    if opts.embedding:
+        params.embeddings = True
+        params.pooling_type = _POOLING[opts.pooling]
+    ctx = ll.llama_init_from_model(model.handle, params)
+    if not ctx:
+        raise ModelLoadError(f"llama.cpp could not create a context for {model.path}")
+    if opts.embedding and ll.llama_pooling_type(ctx) == ll.LLAMA_POOLING_TYPE_NONE:
+        # A generative model has no pooling of its own: mean-pool its hidden states.
+        ll.llama_free(ctx)
+        params.pooling_type = ll.LLAMA_POOLING_TYPE_MEAN
+        ctx = ll.llama_init_from_model(model.handle, params)
+        if not ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context for {model.path}")
+    return ctx
+
+
+def apply_loras(model: LlamaModel, ctx: Any, loras: tuple[LoraAdapter, ...]) -> list[Any]:
+    """Load the adapters and set them on the context; returns them for freeing."""
+    adapters: list[Any] = []
+    try:
+        for lora in loras:
+            adapter = ll.llama_adapter_lora_init(model.handle, os.fsencode(lora.path))
+            if not adapter:
+                raise ModelLoadError(f"cannot load LoRA adapter {lora.path}")
+            adapters.append(adapter)
+        if adapters:
+            n = len(adapters)
+            arr = (ll.llama_adapter_lora_p_ctypes * n)(*adapters)
+            scales = (ctypes.c_float * n)(*[lo.scale for lo in loras])
+            if ll.llama_set_adapters_lora(ctx, arr, n, scales) != 0:
+                raise ModelLoadError("llama.cpp refused the LoRA adapters")
+    except BaseException:
+        for adapter in adapters:
+            ll.llama_adapter_lora_free(adapter)
+        raise
+    return adapters
+
+
+class Batch:
+    """A reusable llama_batch of up to `capacity` tokens, one sequence per token."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.raw = ll.llama_batch_init(capacity, 0, 1)
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+        self.raw.n_tokens = 0
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        """Append one token; returns its index in the batch."""
+        b, i = self.raw, self.n
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq
+        b.logits[i] = logits
+        self.n += 1
+        b.n_tokens = self.n
+        return i
+
+    def free(self) -> None:
+        ll.llama_batch_free(self.raw)

@@ -1,0 +1,102 @@
+"""One request's state inside the engine thread, and its text pipeline."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from barrel.engine.kvcache import Slot
+from barrel.engine.model import LlamaModel
+from barrel.engine.sampler import Sampler
+from barrel.engine.stream import Stream
+from barrel.engine.text import StopMatcher, Utf8Stream
+from barrel.engine.types import (
+    Delta,
+    Done,
+    Event,
+    FinishReason,
+    GenerationRequest,
+    RequestId,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
+
+
+@dataclass
+class Run:
+    id: RequestId
+    req: GenerationRequest
+    stream: Stream
+    sampler: Sampler
+    submitted: float = field(default_factory=time.monotonic)
+    slot: Slot | None = None
+    n_past: int = 0  # tokens of this sequence in the KV
+    pending: int | None = None  # sampled, not yet decoded
+    generated: list[int] = field(default_factory=list)
+    reused: int = 0
+    reuse_note: str = ""
+    cancelled: bool = False
+    admitted: float = 0.0
+    prefill_done: float = 0.0
+    last_token_at: float = 0.0
+    out: list[Event | BaseException] = field(default_factory=list)
+    _utf8: Utf8Stream = field(default_factory=Utf8Stream)
+    _stops: StopMatcher | None = None
+
+    def __post_init__(self) -> None:
+        if self.req.stop:
+            self._stops = StopMatcher(self.req.stop)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_past < len(self.req.prompt)
+
+    def add_token(
+        self, model: LlamaModel, token: int, logprob: TokenLogprob | None
+    ) -> tuple[bool, str | None]:
+        """Record a sampled token and emit its text. Returns (end of generation,
+        the stop string matched)."""
+        self.generated.append(token)
+        lps = (logprob,) if logprob is not None else ()
+        if model.is_eog(token) and not self.req.ignore_eos:
+            self.out.append(Delta("", (token,), lps))
+            return True, None
+        text = self._utf8.feed(model.piece(token))
+        stop = None
+        if self._stops is not None:
+            text, stop = self._stops.feed(text)
+        self.out.append(Delta(text, (token,), lps))
+        return False, stop
+
+    def finish(self, reason: FinishReason, stop: str | None = None) -> Done:
+        """Flush held-back text and append the final `Done`."""
+        tail = self._utf8.flush()
+        if stop is None and reason is not FinishReason.CANCELLED:
+            if self._stops is not None:
+                tail, late = self._stops.feed(tail)
+                if late is None:
+                    tail += self._stops.flush()
+                stop = late
+            if tail:
+                self.out.append(Delta(tail, ()))
+        now = time.monotonic()
+        admitted = self.admitted or now
+        n_prompt = len(self.req.prompt)
+        usage = Usage(
+            prompt_tokens=n_prompt,
+            completion_tokens=len(self.generated),
+            prompt_reused=self.reused,
+            prompt_computed=(min(self.n_past, n_prompt) - self.reused) if self.admitted else 0,
+            reuse_note=self.reuse_note,
+        )
+        prefilled = self.prefill_done > 0
+        timings = Timings(
+            queued_s=admitted - self.submitted,
+            prefill_s=max(0.0, (self.prefill_done or now) - admitted),
+            decode_s=max(0.0, now - self.prefill_done) if prefilled else 0.0,
+            time_to_first_token_s=(self.prefill_done - self.submitted) if prefilled else 0.0,
+        )
+        done = Done(reason, usage, timings, stop, tuple(self.generated))
+        self.out.append(done)
+        return done

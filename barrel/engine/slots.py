@@ -1,0 +1,145 @@
+"""Which llama.cpp sequence a request runs on, and what of its prompt is already there.
+
+A finished sequence stays parked with its tokens. A new request takes the free sequence
+with the longest common token prefix (its own session's first), drops the rest of that
+sequence's KV and prefills only the remainder. Parked sequences pushed out of the context
+go to the state cache and come back on a prefix match. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import llama_cpp as ll
+
+from barrel.engine.kvcache import Slot, StateCache, common_prefix
+from barrel.engine.model import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+
+class SlotManager:
+    def __init__(self, ctx: Any, model: LlamaModel, n_seq: int, cache: StateCache) -> None:
+        self.ctx = ctx
+        self.mem = ll.llama_get_memory(ctx)
+        self.model = model
+        self.cache = cache
+        self.slots = [Slot(i) for i in range(n_seq)]
+
+    def free_slots(self) -> list[Slot]:
+        return [s for s in self.slots if not s.busy]
+
+    def kv_cells(self) -> int:
+        return sum(len(s.tokens) for s in self.slots)
+
+    def choose(self, prompt: list[int], session: str | None) -> tuple[Slot, int] | None:
+        """The free slot to run `prompt` on and its common prefix, or None if all are busy."""
+        free = self.free_slots()
+        if not free:
+            return None
+
+        def score(s: Slot) -> tuple[int, int, float]:
+            # longest common prefix, then empty over parked, then least recently used
+            return (common_prefix(s.tokens, prompt), 0 if s.tokens else 1, -s.last_used)
+
+        own = [s for s in free if session is not None and s.session == session]
+        if own:
+            best = max(own, key=score)
+            lcp = common_prefix(best.tokens, prompt)
+            if lcp > 0:
+                return best, lcp
+        best = max(free, key=score)
+        return best, common_prefix(best.tokens, prompt)
+
+    def attach(
+        self, slot: Slot, prompt: list[int], lcp: int, session: str | None
+    ) -> tuple[int, str]:
+        """Prepare `slot` for `prompt`: returns (tokens reused, a note if reuse fell short)."""
+        # At least one prompt token is decoded to get logits for the first sample.
+        keep = min(lcp, len(prompt) - 1)
+        if keep < len(slot.tokens) and slot.session is not None:
+            self.save(slot)
+        restored = self._restore(slot, prompt, keep)
+        if restored:
+            keep = min(restored, len(prompt) - 1)
+        keep, note = self._trim(slot, keep)
+        slot.busy = True
+        slot.session = session
+        slot.touch()
+        return keep, note
+
+    def release(self, slot: Slot) -> None:
+        slot.busy = False
+        slot.touch()
+
+    def evict_lru(self) -> bool:
+        """Free the KV cells of the least recently used parked sequence (saving its state)."""
+        parked = [s for s in self.slots if not s.busy and s.tokens]
+        if not parked:
+            return False
+        victim = min(parked, key=lambda s: s.last_used)
+        self.save(victim)
+        ll.llama_memory_seq_rm(self.mem, victim.seq, -1, -1)
+        victim.tokens = []
+        victim.session = None
+        return True
+
+    def clear_all(self) -> None:
+        ll.llama_memory_clear(self.mem, True)
+        for s in self.slots:
+            s.tokens = []
+            s.session = None
+
+    def _trim(self, slot: Slot, keep: int) -> tuple[int, str]:
+        """Drop the slot's KV past `keep`; fall back to a full recompute if the model's
+        memory refuses a partial removal (sliding-window or recurrent models)."""
+        if keep >= len(slot.tokens):
+            del slot.tokens[keep:]
+            return keep, ""
+        ok = bool(ll.llama_memory_seq_rm(self.mem, slot.seq, keep, -1))
+        if ok and keep > 0 and (self.model.swa or self.model.recurrent):
+            # A sliding-window cache may already have dropped the early positions.
+            ok = ll.llama_memory_seq_pos_min(self.mem, slot.seq) <= 0
+        note = ""
+        if not ok:
+            ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
+            if keep > 0:
+                note = (
+                    f"{keep} cached prompt tokens could not be reused: the model's memory "
+                    "refused a partial removal (sliding-window or recurrent model)"
+                )
+            keep = 0
+        del slot.tokens[keep:]
+        return keep, note
+
+    def save(self, slot: Slot) -> None:
+        if not self.cache.enabled or not slot.tokens:
+            return
+        size = ll.llama_state_seq_get_size(self.ctx, slot.seq)
+        if size <= 0 or size > self.cache.ram_bytes:
+            return
+        buf = (ctypes.c_uint8 * size)()
+        n = ll.llama_state_seq_get_data(self.ctx, buf, size, slot.seq)
+        if n > 0:
+            self.cache.put(list(slot.tokens), slot.session, bytes(buf)[:n])
+
+    def _restore(self, slot: Slot, prompt: list[int], keep: int) -> int:
+        if not self.cache.enabled:
+            return 0
+        found = self.cache.best(prompt, keep)
+        if found is None:
+            return 0
+        key, saved, n = found
+        data = self.cache.take(key)
+        if data is None:
+            return 0
+        ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if ll.llama_state_seq_set_data(self.ctx, buf, len(data), slot.seq) == 0:
+            logger.warning("restoring a cached sequence state failed; recomputing")
+            slot.tokens = []
+            return 0
+        slot.tokens = list(saved.tokens)
+        return n
