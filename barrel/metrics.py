@@ -11,6 +11,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     GCCollector,
+    Gauge,
     Histogram,
     Info,
     PlatformCollector,
@@ -19,6 +20,7 @@ from prometheus_client import (
 )
 
 from barrel import __version__
+from barrel.engine.types import Done
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -51,9 +53,95 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.engine = _EngineFamilies(self.registry)
+
+    def engine_observer(self, model: str) -> EngineMetrics:
+        """The observer an engine reports to, labelled with `model`."""
+        return EngineMetrics(self.engine, model)
+
     # SupervisorObserver
     def child_restarted(self, child_id: str) -> None:
         self.restarts.labels(child=child_id).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _EngineFamilies:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["model"], registry=registry, buckets=_LATENCY_BUCKETS)
+
+        self.prompt_tokens = counter(
+            "barrel_engine_prompt_tokens",
+            "Prompt tokens, by whether they were computed or reused from the KV cache",
+            ["model", "source"],
+        )
+        self.generated_tokens = counter(
+            "barrel_engine_generated_tokens", "Tokens generated", ["model"]
+        )
+        self.requests = counter(
+            "barrel_engine_requests", "Generations finished, by reason", ["model", "reason"]
+        )
+        self.prefill = histogram("barrel_engine_prefill_duration_seconds", "Prompt prefill time")
+        self.decode = histogram("barrel_engine_decode_duration_seconds", "Generation time")
+        self.ttft = histogram("barrel_engine_time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("barrel_engine_inter_token_latency_seconds", "Time between tokens")
+        self.step = histogram("barrel_engine_step_duration_seconds", "One llama_decode step")
+        self.active = Gauge(
+            "barrel_engine_active_sequences", "Sequences in flight", ["model"], registry=registry
+        )
+        self.kv_cells = Gauge(
+            "barrel_engine_kv_cells_used",
+            "KV cells held by sequences (running and parked)",
+            ["model"],
+            registry=registry,
+        )
+
+
+class EngineMetrics:
+    """An `EngineObserver`: called from the engine thread (prometheus_client is
+    thread-safe)."""
+
+    def __init__(self, families: _EngineFamilies, model: str) -> None:
+        f = families
+        self._computed = f.prompt_tokens.labels(model, "computed")
+        self._reused = f.prompt_tokens.labels(model, "reused")
+        self._generated = f.generated_tokens.labels(model)
+        self._requests = f.requests
+        self._model = model
+        self._prefill = f.prefill.labels(model)
+        self._decode = f.decode.labels(model)
+        self._ttft = f.ttft.labels(model)
+        self._itl = f.itl.labels(model)
+        self._step = f.step.labels(model)
+        self._active = f.active.labels(model)
+        self._kv = f.kv_cells.labels(model)
+
+    def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
+        self._step.observe(seconds)
+        self._active.set(active)
+        self._kv.set(kv_cells)
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def finished(self, done: Done) -> None:
+        usage, timings = done.usage, done.timings
+        self._requests.labels(self._model, done.finish_reason.value).inc()
+        self._computed.inc(usage.prompt_computed)
+        self._reused.inc(usage.prompt_reused)
+        self._generated.inc(usage.completion_tokens)
+        if timings.prefill_s > 0:
+            self._prefill.observe(timings.prefill_s)
+        if timings.decode_s > 0:
+            self._decode.observe(timings.decode_s)

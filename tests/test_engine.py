@@ -369,3 +369,32 @@ async def test_embeddings(model: LlamaModel) -> None:
         assert abs(sum(x * x for x in raw[0]) - 1.0) > 1e-3
     finally:
         e.stop()
+
+
+async def test_metrics_by_model(model: LlamaModel) -> None:
+    from barrel.metrics import Metrics
+
+    metrics = Metrics()
+    e = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=2), observer=metrics.engine_observer("tiny"))
+    e.start()
+    try:
+        prompt = model.tokenize("Hello world, how are you")
+        await generate(e, GenerationRequest(prompt, max_tokens=12, session=SessionId("m")))
+        await generate(e, GenerationRequest(prompt, max_tokens=12, session=SessionId("m")))
+    finally:
+        e.stop()
+
+    def value(name: str, **labels: str) -> float:
+        v = metrics.registry.get_sample_value(name, {"model": "tiny", **labels})
+        assert v is not None, name
+        return v
+
+    assert value("barrel_engine_generated_tokens_total") == 24
+    assert value("barrel_engine_prompt_tokens_total", source="computed") == len(prompt) + 1
+    assert value("barrel_engine_prompt_tokens_total", source="reused") == len(prompt) - 1
+    assert value("barrel_engine_requests_total", reason="length") == 2
+    assert value("barrel_engine_time_to_first_token_seconds_count") == 2
+    assert value("barrel_engine_inter_token_latency_seconds_count") == 22
+    assert value("barrel_engine_active_sequences") == 0
+    assert value("barrel_engine_kv_cells_used") == len(prompt) + 11
+    assert value("barrel_engine_step_duration_seconds_count") >= 12

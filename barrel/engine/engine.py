@@ -35,7 +35,7 @@ from barrel.engine.run import Run
 from barrel.engine.sampler import Sampler
 from barrel.engine.slots import SlotManager
 from barrel.engine.stream import Stream
-from barrel.engine.types import Event, FinishReason, GenerationRequest, RequestId, Timings, Usage
+from barrel.engine.types import Done, Event, FinishReason, GenerationRequest, RequestId
 from barrel.errors import BarrelError, InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class EngineObserver(Protocol):
 
     def inter_token(self, seconds: float) -> None: ...
 
-    def finished(self, usage: Usage, timings: Timings) -> None: ...
+    def finished(self, done: Done) -> None: ...
 
 
 class _NoObserver:
@@ -63,7 +63,7 @@ class _NoObserver:
     def inter_token(self, seconds: float) -> None:
         pass
 
-    def finished(self, usage: Usage, timings: Timings) -> None:
+    def finished(self, done: Done) -> None:
         pass
 
 
@@ -455,7 +455,7 @@ class Engine:
     def _finish(self, run: Run, reason: FinishReason, stop: str | None = None) -> None:
         done = run.finish(reason, stop)
         self._dirty[run.id] = run
-        self.observer.finished(done.usage, done.timings)
+        self.observer.finished(done)
         self._release(run)
 
     def _release(self, run: Run) -> None:

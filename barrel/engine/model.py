@@ -87,7 +87,8 @@ class LlamaModel:
         self.bos: int = ll.llama_vocab_bos(vocab)
         self.eos: int = ll.llama_vocab_eos(vocab)
         # Sliding-window and recurrent models may refuse a partial llama_memory_seq_rm.
-        self.swa: bool = ll.llama_model_n_swa(handle) > 0
+        self.n_swa: int = ll.llama_model_n_swa(handle)
+        self.swa: bool = self.n_swa > 0
         self.recurrent: bool = bool(
             ll.llama_model_is_recurrent(handle) or ll.llama_model_is_hybrid(handle)
         )

@@ -100,8 +100,12 @@ class SlotManager:
             return keep, ""
         ok = bool(ll.llama_memory_seq_rm(self.mem, slot.seq, keep, -1))
         if ok and keep > 0 and (self.model.swa or self.model.recurrent):
-            # A sliding-window cache may already have dropped the early positions.
-            ok = ll.llama_memory_seq_pos_min(self.mem, slot.seq) <= 0
+            # A sliding-window cache keeps only the last n_swa positions: what is left
+            # must still reach position keep-1 and start early enough for the window.
+            # (For iSWA memories pos_max is the lower of the two caches' maxima.)
+            pos_min = ll.llama_memory_seq_pos_min(self.mem, slot.seq)
+            pos_max = ll.llama_memory_seq_pos_max(self.mem, slot.seq)
+            ok = pos_max == keep - 1 and 0 <= pos_min <= max(0, keep - self.model.n_swa)
         note = ""
         if not ok:
             ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
