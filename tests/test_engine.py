@@ -375,7 +375,9 @@ async def test_metrics_by_model(model: LlamaModel) -> None:
     from barrel.metrics import Metrics
 
     metrics = Metrics()
-    e = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=2), observer=metrics.engine_observer("tiny"))
+    e = Engine(
+        model, EngineOptions(n_ctx=1024, n_seq_max=2), observer=metrics.engine_observer("tiny")
+    )
     e.start()
     try:
         prompt = model.tokenize("Hello world, how are you")

@@ -11,7 +11,7 @@ import pytest
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import FinishReason, GenerationRequest, SessionId
+from barrel.engine.types import GenerationRequest, SessionId
 
 pytestmark = pytest.mark.real_model
 
@@ -67,7 +67,9 @@ async def test_second_turn_prefills_only_what_is_new(engine: Engine, qwen: Llama
     session = SessionId("conversation")
     question = "Write a Python function that adds two numbers."
     p1 = qwen.tokenize(chatml(("user", question)))
-    deltas, done1 = await engine.submit(GenerationRequest(p1, max_tokens=48, session=session)).collect()
+    deltas, done1 = await engine.submit(
+        GenerationRequest(p1, max_tokens=48, session=session)
+    ).collect()
     reply = "".join(d.text for d in deltas)
     assert done1.usage.prompt_reused == 0
     p2 = qwen.tokenize(chatml(("user", question), ("assistant", reply), ("user", "Now in Rust.")))

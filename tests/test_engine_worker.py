@@ -58,7 +58,9 @@ async def test_crash_fails_in_flight_requests_and_the_next_one_succeeds(tiny_pat
         assert loop.time() - start < 2
 
         # the worker crashed with its engine and was restarted with a fresh one
-        new_worker = await asyncio.to_thread(registry.wait_for, "tiny", other_than=old_worker, timeout=10)
+        new_worker = await asyncio.to_thread(
+            registry.wait_for, "tiny", other_than=old_worker, timeout=10
+        )
         assert not old_worker.is_alive()
         fresh = await engine_of(registry, "tiny")
         assert fresh is not engine
