@@ -26,7 +26,10 @@ from barrel.engine.model import LlamaModel
 from barrel.engine.types import GREEDY, GenerationRequest, SessionId
 from barrel.store import bundled
 
-PROMPT = "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = (
+    "<|im_start|>user\nWrite a long story about a lighthouse keeper.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
 def bare_loop_in_thread(model: LlamaModel, prompt: list[int], n_tokens: int) -> float:
@@ -113,7 +116,8 @@ def conversation(model: LlamaModel) -> tuple[list[str], list[str]]:
     """User turns of a code-review conversation (~1,500 tokens by turn 3)."""
     code = "\n".join(
         f"def handler_{i}(request, db):\n    row = db.get(request.id + {i})\n"
-        f"    if row is None:\n        return {{'status': 404}}\n    return {{'status': 200, 'row': row}}\n"
+        f"    if row is None:\n        return {{'status': 404}}\n"
+        f"    return {{'status': 200, 'row': row}}\n"
         for i in range(24)
     )
     users = [

@@ -64,7 +64,7 @@ async def test_crash_fails_in_flight_requests_and_the_next_one_succeeds(tiny_pat
         assert not old_worker.is_alive()
         fresh = await engine_of(registry, "tiny")
         assert fresh is not engine
-        deltas, done = await fresh.submit(GenerationRequest(prompt, max_tokens=10)).collect()
+        _deltas, done = await fresh.submit(GenerationRequest(prompt, max_tokens=10)).collect()
         assert done.finish_reason is FinishReason.LENGTH
         assert done.usage.completion_tokens == 10
         assert new_worker.is_alive()
