@@ -400,3 +400,114 @@ async def test_metrics_by_model(model: LlamaModel) -> None:
     assert value("barrel_engine_active_sequences") == 0
     assert value("barrel_engine_kv_cells_used") == len(prompt) + 11
     assert value("barrel_engine_step_duration_seconds_count") >= 12
+
+
+async def test_pinned_prefix_is_shared_not_prefilled(model: LlamaModel) -> None:
+    e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=2, max_pins=1)).start()
+    cold = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=2, max_pins=0)).start()
+    try:
+        system = model.tokenize("You are a careful assistant. " * 30)
+        assert await e.pin(system) == len(system)
+        assert await e.pin(system) == len(system), "pinning the same prefix again is free"
+        outputs = []
+        for i, question in enumerate(["What is 2+2?", "Name a colour."]):
+            prompt = [*system, *model.tokenize(question, add_special=False)]
+            # a new session each time: no parked sequence of its own to reuse
+            request = GenerationRequest(prompt, max_tokens=12, session=SessionId(f"user{i}"))
+            _, done, _ = await generate(e, request)
+            assert done.usage.prompt_reused == len(system)
+            _, cold_done, _ = await generate(cold, GenerationRequest(prompt, max_tokens=12))
+            if i == 0:
+                assert cold_done.usage.prompt_reused == 0
+            assert done.tokens == cold_done.tokens, "the shared cells give the same output"
+            outputs.append(done.tokens)
+        assert await cold.pin(system) == 0, "no pin sequence configured"
+    finally:
+        e.stop()
+        cold.stop()
+
+
+async def test_long_prompt_is_chunked_between_decode_steps(model: LlamaModel) -> None:
+    e = Engine(model, EngineOptions(n_ctx=4096, n_seq_max=2, prefill_chunk=64)).start()
+    try:
+        running = e.submit(req(model, "Hello world", max_tokens=3000))
+        await anext(running)
+        long_prompt = model.tokenize("lorem ipsum dolor sit amet " * 300)[:1500]
+        seen_before_first_token = 0
+        late = e.submit(GenerationRequest(long_prompt, max_tokens=3))
+        first = asyncio.ensure_future(anext(late))
+        while not first.done():
+            await anext(running)
+            seen_before_first_token += 1
+        # 1500 prompt tokens at 64 per step: the running stream got a token every step
+        assert seen_before_first_token >= 1500 // 64 - 2
+        running.cancel()
+        await running.collect()
+        _, done = await late.collect()
+        assert done.usage.prompt_computed == 1500
+    finally:
+        e.stop()
+
+
+async def test_one_loop_wakeup_per_step(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    from barrel.engine import stream as stream_module
+
+    calls: list[int] = []
+    real = stream_module.deliver
+
+    def counting(batch: list[tuple[object, list[object]]]) -> None:
+        calls.append(len(batch))
+        real(batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stream_module, "deliver", counting)
+    e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=4)).start()
+    try:
+        await asyncio.gather(*(generate(e, req(model, p, max_tokens=30)) for p in PROMPTS))
+        steps = e.steps
+    finally:
+        e.stop()
+    assert len(calls) <= steps + 1
+    assert max(calls) == 4, "one wake-up carries all four sequences' text"
+
+
+async def test_kv_full_evicts_parked_sequences_then_fails_the_youngest(model: LlamaModel) -> None:
+    e = Engine(model, EngineOptions(n_ctx=256, n_seq_max=3, state_cache_bytes=0)).start()
+    try:
+        # a parked sequence holds ~150 cells...
+        _, parked, _ = await generate(
+            e, req(model, "Hello world", max_tokens=150, session=SessionId("p"))
+        )
+        assert parked.usage.completion_tokens == 150
+        # ...and two sequences that each want 150 more cannot both fit in 256: the parked
+        # one goes first, then the younger request fails while the older one finishes
+        a = e.submit(req(model, "Once upon a time", max_tokens=150))
+        await anext(a)
+        b = e.submit(req(model, "def f(x):", max_tokens=150))
+        results = await asyncio.gather(a.collect(), b.collect(), return_exceptions=True)
+        assert not isinstance(results[0], BaseException)
+        assert results[0][1].usage.completion_tokens == 150
+        from barrel.engine.errors import KVCacheFull
+
+        assert isinstance(results[1], KVCacheFull)
+        assert e.alive
+        _, again, _ = await generate(e, req(model, "Fresh start", max_tokens=5))
+        assert again.usage.completion_tokens == 5
+    finally:
+        e.stop()
+
+
+async def test_embedding_truncation(model: LlamaModel) -> None:
+    # 5 sequences and a 128-token batch would abort llama.cpp: the engine rounds it to 125
+    opts = EngineOptions(n_ctx=512, n_batch=128, n_ubatch=128, n_seq_max=5, embedding=True)
+    e = Engine(model, opts).start()
+    assert e.options.n_ubatch == 125
+    try:
+        long = model.tokenize("word " * 200)
+        with pytest.raises(PromptTooLong):
+            e.embed([long])
+        (vec,) = await e.embed([long], truncate=True)
+        (same,) = await e.embed([long[:125]])
+        assert vec == pytest.approx(same, abs=1e-6)
+        assert e.count_tokens("word word") == len(model.tokenize("word word"))
+    finally:
+        e.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 from dataclasses import dataclass
 from enum import StrEnum
@@ -50,7 +51,10 @@ class EngineOptions:
     n_ctx: int = 4096
     n_batch: int = 512
     n_ubatch: int = 512
-    n_seq_max: int = 4
+    n_seq_max: int = 4  # sequences for requests
+    # Extra sequences holding pinned prefixes (a static system + tools prompt) that
+    # requests copy with llama_memory_seq_cp instead of prefilling them.
+    max_pins: int = 1
     threads: int = 0  # 0: every core
     kv_type: KVType = KVType.F16
     flash_attn: str = "auto"  # auto | on | off
@@ -67,13 +71,28 @@ class EngineOptions:
     pooling: str = "model"  # model (from the GGUF, mean if it has none) | mean | cls | last
 
 
+def effective_options(opts: EngineOptions) -> EngineOptions:
+    """Adjust options llama.cpp cannot take as given.
+
+    Embedding mode: no pinned sequences, and a micro-batch that is a multiple of the
+    sequence count. With mean pooling, llama.cpp 0.3.36 aborts the whole process
+    (GGML_ASSERT in ggml_mul_mat while reserving the graph) for some other sizes, e.g.
+    n_ubatch 128 with 5 sequences or 100 with 8.
+    """
+    if not opts.embedding:
+        return opts
+    n_seq = max(1, opts.n_seq_max)
+    ubatch = max(n_seq, min(opts.n_ubatch, opts.n_batch) // n_seq * n_seq)
+    return dataclasses.replace(opts, max_pins=0, n_batch=ubatch, n_ubatch=ubatch)
+
+
 def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
     """Create the context. kv_unified is on: one request may use the whole n_ctx."""
     params = ll.llama_context_default_params()
     params.n_ctx = n_ctx
     params.n_batch = opts.n_batch
     params.n_ubatch = min(opts.n_ubatch, opts.n_batch)
-    params.n_seq_max = opts.n_seq_max
+    params.n_seq_max = opts.n_seq_max + opts.max_pins
     threads = opts.threads or os.cpu_count() or 1
     params.n_threads = threads
     params.n_threads_batch = threads

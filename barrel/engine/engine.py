@@ -26,10 +26,16 @@ from typing import Any, Protocol
 import llama_cpp as ll
 
 from barrel.engine import stream as streams
-from barrel.engine.context import Batch, EngineOptions, apply_loras, new_context
+from barrel.engine.context import (
+    Batch,
+    EngineOptions,
+    apply_loras,
+    effective_options,
+    new_context,
+)
 from barrel.engine.embed import compute_embeddings
 from barrel.engine.errors import EngineCrashed, EngineStopped, KVCacheFull, PromptTooLong
-from barrel.engine.kvcache import StateCache
+from barrel.engine.kvcache import Slot, StateCache
 from barrel.engine.model import LlamaModel
 from barrel.engine.run import Run
 from barrel.engine.sampler import Sampler
@@ -89,6 +95,24 @@ class _Embed:
 
 
 @dataclass(frozen=True)
+class _Pin:
+    tokens: list[int]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[int]
+
+
+@dataclass
+class _PinJob:
+    """Prefilling a pinned prefix: low priority, no logits, no output."""
+
+    slot: Slot
+    tokens: list[int]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[int]
+    n_past: int = 0
+
+
+@dataclass(frozen=True)
 class _Fault:
     error: BaseException
 
@@ -118,7 +142,7 @@ class Engine:
         on_crash: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.model = model
-        self.options = opts = options or EngineOptions()
+        self.options = opts = effective_options(options or EngineOptions())
         self.name = name
         self.observer: EngineObserver = observer or _NoObserver()
         self.on_crash = on_crash
@@ -132,7 +156,7 @@ class Engine:
         cache = StateCache(
             opts.state_cache_bytes, opts.state_cache_dir, opts.state_cache_disk_bytes
         )
-        self.kv = SlotManager(self.ctx, model, opts.n_seq_max, cache)
+        self.kv = SlotManager(self.ctx, model, opts.n_seq_max, opts.max_pins, cache)
         self._batch = Batch(max(opts.n_batch, 1))
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ids = itertools.count(1)
@@ -145,6 +169,8 @@ class Engine:
         self._active: list[Run] = []
         self._runs: dict[RequestId, Run] = {}
         self._dirty: dict[RequestId, Run] = {}  # runs with events to deliver this step
+        self._pinning: list[_PinJob] = []
+        self._pin_entries: list[tuple[_PinJob, int]] = []
         self.crashed: BaseException | None = None
         self.steps = 0  # decode steps done
 
@@ -218,12 +244,17 @@ class Engine:
         inputs: list[list[int]],
         *,
         normalize: bool = True,
+        truncate: bool = False,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> asyncio.Future[list[list[float]]]:
+        """Pooled embeddings of `inputs` (token lists). An input longer than the batch
+        is cut to fit with `truncate`, else refused."""
         loop = loop or asyncio.get_running_loop()
         if not self.options.embedding:
             raise InvalidRequest("this model is not loaded for embeddings")
         limit = min(self.n_ctx, self.options.n_ubatch, self.options.n_batch)
+        if truncate:
+            inputs = [toks[:limit] for toks in inputs]
         for toks in inputs:
             if not toks or len(toks) > limit:
                 raise PromptTooLong(f"an input has {len(toks)} tokens; 1 to {limit} are allowed")
@@ -232,6 +263,22 @@ class Engine:
             if not self.alive:
                 raise EngineStopped(f"engine {self.name} is not running", retry_after=1.0)
             self._inbox.put(_Embed(inputs, normalize, loop, fut))
+        return fut
+
+    def pin(
+        self, tokens: list[int], loop: asyncio.AbstractEventLoop | None = None
+    ) -> asyncio.Future[int]:
+        """Keep `tokens` (a static system + tools prefix) prefilled in a pinned sequence;
+        requests starting with it share its KV cells instead of prefilling them. Resolves
+        to the number of tokens pinned (0 if no pin sequence is configured)."""
+        loop = loop or asyncio.get_running_loop()
+        if not tokens or len(tokens) >= self.n_ctx:
+            raise PromptTooLong(f"a pinned prefix must have 1 to {self.n_ctx - 1} tokens")
+        fut: asyncio.Future[int] = loop.create_future()
+        with self._gate:
+            if not self.alive:
+                raise EngineStopped(f"engine {self.name} is not running", retry_after=1.0)
+            self._inbox.put(_Pin(list(tokens), loop, fut))
         return fut
 
     def inject_fault(self, error: BaseException) -> None:
@@ -244,6 +291,9 @@ class Engine:
     def detokenize(self, tokens: list[int]) -> str:
         return self.model.detokenize(tokens)
 
+    def count_tokens(self, text: str) -> int:
+        return len(self.model.tokenize(text))
+
     # -- the loop (engine thread) ---------------------------------------------------
 
     def _main(self) -> None:
@@ -253,7 +303,7 @@ class Engine:
                 if self._stopped.is_set():
                     break
                 self._admit()
-                if self._active:
+                if self._active or self._pinning:
                     self._step()
             self._fail_all(EngineStopped(f"engine {self.name} stopped", retry_after=1.0))
         except BaseException as exc:
@@ -287,7 +337,7 @@ class Engine:
             self._fail_all(error)
 
     def _has_work(self) -> bool:
-        if self._waiting and self.kv.free_slots():
+        if self._pinning or (self._waiting and self.kv.free_slots()):
             return True
         return any(self._runnable(r) for r in self._active)
 
@@ -326,6 +376,13 @@ class Engine:
                 self._flush()
         elif isinstance(cmd, _Embed):
             self._embed(cmd)
+        elif isinstance(cmd, _Pin):
+            slot = self.kv.pin_slot(cmd.tokens)
+            if slot is None:
+                pinned = len(cmd.tokens) if self.kv.pins else 0
+                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, pinned)
+            else:
+                self._pinning.append(_PinJob(slot, cmd.tokens, cmd.loop, cmd.future))
         elif isinstance(cmd, _Fault):
             raise cmd.error
         elif isinstance(cmd, _Stop):
@@ -351,7 +408,7 @@ class Engine:
         for run in [r for r in self._active if r.cancelled]:
             self._finish(run, FinishReason.CANCELLED)
         entries = self._fill_batch()
-        if entries:
+        if entries or self._pin_entries:
             start = time.monotonic()
             entries = self._decode(entries)
             elapsed = time.monotonic() - start
@@ -360,6 +417,7 @@ class Engine:
                 self._advance(run, n_tokens)
                 if index >= 0:
                     self._sample(run, index)
+            self._advance_pins()
             self.observer.step(self._batch.n, len(self._active), self.kv.kv_cells(), elapsed)
         self._flush()
 
@@ -392,6 +450,18 @@ class Engine:
                     index = i
             entries.append((run, index, take))
             budget -= take
+        self._pin_entries = []
+        for job in self._pinning:
+            if budget <= 0:
+                break
+            take = min(len(job.tokens) - job.n_past, budget)
+            for pos in range(job.n_past, job.n_past + take):
+                b.add(job.tokens[pos], pos, job.slot.seq, False)
+            self._pin_entries.append((job, take))
+            budget -= take
+        if not entries and self._pin_entries:
+            # Only pins in this batch: llama_decode needs one output somewhere.
+            b.raw.logits[b.n - 1] = True
         return entries
 
     def _decode(self, entries: list[Entry]) -> list[Entry]:
@@ -403,7 +473,9 @@ class Engine:
                 return entries
             if ret != 1:
                 raise RuntimeError(f"llama_decode failed with status {ret}")
-            if not self.kv.evict_lru():
+            if self.kv.evict_lru():
+                pass
+            elif entries:
                 youngest = max((r for r, _, _ in entries), key=lambda r: r.admitted)
                 logger.warning(
                     "engine %s: KV cache full; failing request %s", self.name, youngest.id
@@ -412,8 +484,10 @@ class Engine:
                     youngest, KVCacheFull("the KV cache is full; retry later", retry_after=1.0)
                 )
                 self._release(youngest)
+            else:
+                self._fail_pins(KVCacheFull("no KV room for the pinned prefix", retry_after=1.0))
             entries = self._fill_batch()
-            if not entries:
+            if not entries and not self._pin_entries:
                 return []
 
     def _advance(self, run: Run, n_tokens: int) -> None:
@@ -429,6 +503,17 @@ class Engine:
             run.slot.tokens.append(run.pending)
             run.n_past += 1
             run.pending = None
+
+    def _advance_pins(self) -> None:
+        for job, n_tokens in self._pin_entries:
+            job.slot.tokens.extend(job.tokens[job.n_past : job.n_past + n_tokens])
+            job.n_past += n_tokens
+            if job.n_past == len(job.tokens):
+                self._pinning.remove(job)
+                job.slot.busy = False
+                job.slot.touch()
+                job.loop.call_soon_threadsafe(_resolve, job.future, len(job.tokens))
+        self._pin_entries = []
 
     def _sample(self, run: Run, index: int) -> None:
         token = run.sampler.sample(self.ctx, index)
@@ -493,7 +578,17 @@ class Engine:
             except RuntimeError:
                 pass  # that loop is closed: its readers are gone
 
+    def _fail_pins(self, error: BarrelError) -> None:
+        for job in self._pinning:
+            job.slot.busy = False
+            job.slot.tokens = []
+            ll.llama_memory_seq_rm(self.kv.mem, job.slot.seq, -1, -1)
+            job.loop.call_soon_threadsafe(_reject, job.future, error)
+        self._pinning.clear()
+        self._pin_entries = []
+
     def _fail_all(self, error: BarrelError) -> None:
+        self._fail_pins(error)
         runs = list(self._waiting) + list(self._active)
         self._waiting.clear()
         for run in runs:

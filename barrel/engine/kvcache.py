@@ -35,6 +35,7 @@ class Slot:
     session: str | None = None
     last_used: float = 0.0
     busy: bool = False  # a request runs on it
+    pinned: bool = False  # holds a pinned prefix: copied from, never run on
 
     def touch(self) -> None:
         self.last_used = time.monotonic()

@@ -21,18 +21,38 @@ logger = logging.getLogger(__name__)
 
 
 class SlotManager:
-    def __init__(self, ctx: Any, model: LlamaModel, n_seq: int, cache: StateCache) -> None:
+    def __init__(
+        self, ctx: Any, model: LlamaModel, n_seq: int, n_pins: int, cache: StateCache
+    ) -> None:
         self.ctx = ctx
         self.mem = ll.llama_get_memory(ctx)
         self.model = model
         self.cache = cache
         self.slots = [Slot(i) for i in range(n_seq)]
+        self.pins = [Slot(n_seq + i, pinned=True) for i in range(n_pins)]
 
     def free_slots(self) -> list[Slot]:
         return [s for s in self.slots if not s.busy]
 
     def kv_cells(self) -> int:
-        return sum(len(s.tokens) for s in self.slots)
+        return sum(len(s.tokens) for s in self.slots + self.pins)
+
+    def pin_slot(self, tokens: list[int]) -> Slot | None:
+        """The pin sequence to (re)fill with `tokens`: None if one already holds them.
+        The least recently used pin is replaced."""
+        if not self.pins:
+            return None
+        for pin in self.pins:
+            if pin.tokens == tokens:
+                pin.touch()
+                return None
+        victim = min(self.pins, key=lambda s: (s.busy, s.last_used))
+        if victim.busy:
+            return None
+        ll.llama_memory_seq_rm(self.mem, victim.seq, -1, -1)
+        victim.tokens = []
+        victim.busy = True
+        return victim
 
     def choose(self, prompt: list[int], session: str | None) -> tuple[Slot, int] | None:
         """The free slot to run `prompt` on and its common prefix, or None if all are busy."""
@@ -64,6 +84,9 @@ class SlotManager:
         restored = self._restore(slot, prompt, keep)
         if restored:
             keep = min(restored, len(prompt) - 1)
+        copied = self._copy_pin(slot, prompt, keep)
+        if copied:
+            keep = min(copied, len(prompt) - 1)
         keep, note = self._trim(slot, keep)
         slot.busy = True
         slot.session = session
@@ -128,6 +151,26 @@ class SlotManager:
         n = ll.llama_state_seq_get_data(self.ctx, buf, size, slot.seq)
         if n > 0:
             self.cache.put(list(slot.tokens), slot.session, bytes(buf)[:n])
+
+    def _copy_pin(self, slot: Slot, prompt: list[int], keep: int) -> int:
+        """Share a pinned prefix's cells with `slot` if it covers more of `prompt`.
+        With a unified KV cache, llama_memory_seq_cp tags the same cells with the
+        slot's sequence: nothing is recomputed or copied."""
+        best: tuple[int, Slot] | None = None
+        for pin in self.pins:
+            if pin.busy or not pin.tokens:
+                continue
+            n = common_prefix(pin.tokens, prompt)
+            if n > keep and (best is None or n > best[0]):
+                best = (n, pin)
+        if best is None:
+            return 0
+        n, pin = best
+        ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
+        ll.llama_memory_seq_cp(self.mem, pin.seq, slot.seq, 0, n)
+        slot.tokens = list(pin.tokens[:n])
+        pin.touch()
+        return n
 
     def _restore(self, slot: Slot, prompt: list[int], keep: int) -> int:
         if not self.cache.enabled:
