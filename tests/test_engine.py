@@ -511,3 +511,21 @@ async def test_embedding_truncation(model: LlamaModel) -> None:
         assert e.count_tokens("word word") == len(model.tokenize("word word"))
     finally:
         e.stop()
+
+
+async def test_lora_adapter_changes_the_output(model: LlamaModel, tmp_path: Path) -> None:
+    from barrel.engine.context import LoraAdapter
+    from barrel.store.synthetic import write_tiny_lora
+
+    lora = write_tiny_lora(tmp_path / "tiny-lora.gguf")
+    prompt = model.tokenize("Hello world")
+    outputs = []
+    for loras in ((), (LoraAdapter(lora, 1.0),), (LoraAdapter(lora, 0.0),)):
+        e = Engine(model, EngineOptions(n_ctx=512, n_seq_max=1, loras=loras)).start()
+        try:
+            outputs.append((await generate(e, GenerationRequest(prompt, max_tokens=20)))[1].tokens)
+        finally:
+            e.stop()
+    plain, adapted, zero_scale = outputs
+    assert adapted != plain
+    assert zero_scale == plain

@@ -130,3 +130,27 @@ def tiny_model(shape: TinyShape = TinyShape(), dest: Path | None = None) -> Path
     source = bundled.assemble("qwen2.5-coder-0.5b", dest)
     directory.mkdir(parents=True, exist_ok=True)
     return write_tiny_gguf(path, source, shape)
+
+
+def write_tiny_lora(
+    path: Path, shape: TinyShape = TinyShape(), rank: int = 4, seed: int = 99
+) -> Path:
+    """A LoRA adapter for the tiny model (attention q/v projections), random weights."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, ARCH)
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank))
+    head_dim = shape.n_embd // shape.n_head
+    outputs = {"attn_q": shape.n_embd, "attn_v": head_dim * shape.n_head_kv}
+    for i in range(shape.n_layer):
+        for name, n_out in outputs.items():
+            a = rng.standard_normal((rank, shape.n_embd), dtype=np.float32)
+            b = rng.standard_normal((n_out, rank), dtype=np.float32)
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_a", a)
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_b", b)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
