@@ -87,26 +87,33 @@ async def test_sliding_window_model_reuses_only_what_its_window_still_holds(
 ) -> None:
     gemma = LlamaModel.load(gemma_path)
     assert gemma.n_swa == 512
-    e = Engine(gemma, EngineOptions(n_ctx=2048, n_seq_max=1), name="gemma").start()
+    # One sequence and no pins: the sliding-window layers hold 512 + n_ubatch cells, so a
+    # 1,500-token prompt overwrites its own early positions there.
+    opts = EngineOptions(n_ctx=2048, n_seq_max=1, max_pins=0, state_cache_bytes=0)
+    e = Engine(gemma, opts, name="gemma").start()
+    cold = Engine(gemma, opts, name="cold").start()
     tail = gemma.tokenize(" and the last one is", add_special=False)
 
-    async def run(prompt: list[int]) -> tuple[int, str]:
-        _, done = await e.submit(GenerationRequest(prompt, max_tokens=4)).collect()
+    async def run(engine: Engine, prompt: list[int]) -> tuple[int, str, tuple[int, ...]]:
+        _, done = await engine.submit(GenerationRequest(prompt, max_tokens=6)).collect()
         assert done.usage.prompt_reused + done.usage.prompt_computed == len(prompt)
-        return done.usage.prompt_reused, done.usage.reuse_note
+        return done.usage.prompt_reused, done.usage.reuse_note, done.tokens
 
     try:
-        # within the window, a partial reuse works
+        # within the window, a partial reuse works and gives the cold output
         short = gemma.tokenize("List: " + " ".join(f"item{i}" for i in range(60)))
-        await run(short)
-        assert await run(short[:100] + tail) == (100, "")
+        await run(e, short)
+        reused, note, tokens = await run(e, short[:100] + tail)
+        assert (reused, note) == (100, "")
+        assert tokens == (await run(cold, short[:100] + tail))[2]
         # past the window, the early positions have left the sliding-window layers:
         # reusing a prefix that ends there would attend to missing cells
         long = gemma.tokenize("List: " + " ".join(f"item{i}" for i in range(400)))
-        await run(long)
-        reused, note = await run(long[:100] + tail)
+        await run(e, long)
+        reused, note, tokens = await run(e, long[:100] + tail)
         assert reused == 0
         assert "sliding-window" in note
     finally:
         e.stop()
+        cold.stop()
         gemma.free()
