@@ -41,6 +41,16 @@ def app_with_stream(probe: Probe, chunks: int, started: asyncio.Event) -> web.Ap
     return app
 
 
+async def open_stream(http: aiohttp.ClientSession, port: int) -> aiohttp.ClientResponse:
+    """GET /stream once the server listens (it starts in a task of its own)."""
+    for _ in range(100):
+        try:
+            return await http.get(f"http://127.0.0.1:{port}/stream")
+        except aiohttp.ClientConnectionError:
+            await asyncio.sleep(0.05)
+    raise AssertionError("the server never listened")
+
+
 async def test_in_flight_stream_finishes_before_the_tree_stops() -> None:
     probe, started, stop = Probe(), asyncio.Event(), asyncio.Event()
     port = free_port()
@@ -48,12 +58,7 @@ async def test_in_flight_stream_finishes_before_the_tree_stops() -> None:
         run_server(app_with_stream(probe, 8, started), "127.0.0.1", port, 5.0, stop)
     )
     async with aiohttp.ClientSession() as http:
-        for _ in range(100):
-            try:
-                resp = await http.get(f"http://127.0.0.1:{port}/stream")
-                break
-            except aiohttp.ClientConnectionError:
-                await asyncio.sleep(0.05)
+        resp = await open_stream(http, port)
         await started.wait()
         stop.set()
         body = await resp.text()
@@ -76,12 +81,7 @@ async def test_stream_longer_than_the_grace_period_is_cancelled() -> None:
         run_server(app_with_stream(probe, 1000, started), "127.0.0.1", port, 0.5, stop)
     )
     async with aiohttp.ClientSession() as http:
-        for _ in range(100):
-            try:
-                resp = await http.get(f"http://127.0.0.1:{port}/stream")
-                break
-            except aiohttp.ClientConnectionError:
-                await asyncio.sleep(0.05)
+        resp = await open_stream(http, port)
         await started.wait()
         loop = asyncio.get_running_loop()
         begun = loop.time()

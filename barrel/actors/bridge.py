@@ -20,6 +20,7 @@ from pykka._envelope import Envelope  # pykka has no public way to attach a cust
 from pykka.messages import ProxyCall
 
 from barrel.errors import CallTimeout, Unavailable
+from barrel.futures import reject, resolve
 
 T = TypeVar("T")
 
@@ -40,27 +41,17 @@ class _LoopReply(pykka.Future[Any]):
         raise TypeError("a bridged reply is awaited on the event loop, not read with get()")
 
     def set(self, value: Any | None = None) -> None:
-        self._post(_resolve, value)
+        self._post(resolve, value)
 
     def set_exception(self, exc_info: ExcInfo | None = None) -> None:
         exc = exc_info[1] if exc_info is not None else sys.exc_info()[1]
-        self._post(_reject, exc or RuntimeError("actor failed without an exception"))
+        self._post(reject, exc or RuntimeError("actor failed without an exception"))
 
     def _post(self, fn: Callable[[asyncio.Future[Any], Any], None], arg: Any) -> None:
         try:
             self._loop.call_soon_threadsafe(fn, self._target, arg)
         except RuntimeError:
             pass  # the loop is closed: nobody is waiting any more
-
-
-def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _reject(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
 
 
 async def ask(

@@ -43,6 +43,7 @@ from barrel.engine.slots import SlotManager
 from barrel.engine.stream import Stream
 from barrel.engine.types import Done, Event, FinishReason, GenerationRequest, RequestId
 from barrel.errors import BarrelError, InvalidRequest
+from barrel.futures import reject, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +333,7 @@ class Engine:
             if isinstance(cmd, _Submit):
                 self._waiting.append(cmd.run)
             elif isinstance(cmd, _Embed):
-                cmd.loop.call_soon_threadsafe(_reject, cmd.future, error)
+                cmd.loop.call_soon_threadsafe(reject, cmd.future, error)
         if self._waiting:
             self._fail_all(error)
 
@@ -380,7 +381,7 @@ class Engine:
             slot = self.kv.pin_slot(cmd.tokens)
             if slot is None:
                 pinned = len(cmd.tokens) if self.kv.pins else 0
-                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, pinned)
+                cmd.loop.call_soon_threadsafe(resolve, cmd.future, pinned)
             else:
                 self._pinning.append(_PinJob(slot, cmd.tokens, cmd.loop, cmd.future))
         elif isinstance(cmd, _Fault):
@@ -512,7 +513,7 @@ class Engine:
                 self._pinning.remove(job)
                 job.slot.busy = False
                 job.slot.touch()
-                job.loop.call_soon_threadsafe(_resolve, job.future, len(job.tokens))
+                job.loop.call_soon_threadsafe(resolve, job.future, len(job.tokens))
         self._pin_entries = []
 
     def _sample(self, run: Run, index: int) -> None:
@@ -583,7 +584,7 @@ class Engine:
             job.slot.busy = False
             job.slot.tokens = []
             ll.llama_memory_seq_rm(self.kv.mem, job.slot.seq, -1, -1)
-            job.loop.call_soon_threadsafe(_reject, job.future, error)
+            job.loop.call_soon_threadsafe(reject, job.future, error)
         self._pinning.clear()
         self._pin_entries = []
 
@@ -609,9 +610,9 @@ class Engine:
                 cmd.normalize,
             )
         except BarrelError as exc:
-            cmd.loop.call_soon_threadsafe(_reject, cmd.future, exc)
+            cmd.loop.call_soon_threadsafe(reject, cmd.future, exc)
             return
-        cmd.loop.call_soon_threadsafe(_resolve, cmd.future, result)
+        cmd.loop.call_soon_threadsafe(resolve, cmd.future, result)
 
     def _free(self) -> None:
         if self.ctx is None:
@@ -623,13 +624,3 @@ class Engine:
             ll.llama_adapter_lora_free(adapter)
         ll.llama_free(self.ctx)
         self.ctx = None
-
-
-def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _reject(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
