@@ -1,0 +1,115 @@
+"""Resumable HTTP downloads into a partial file (blocking: run it in a worker thread).
+
+A download appends to its partial file chunk by chunk; started again (after a daemon
+restart, say) it hashes what is already there and asks for the rest with `Range`. A
+server that ignores the range (200) restarts it from zero. The digest is checked at the
+end: a mismatch deletes the partial.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from barrel.errors import BarrelError
+from barrel.store.blobs import DigestMismatch, hash_file
+from barrel.store.names import parse_digest
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+USER_AGENT = "barrel-inference"
+
+
+class DownloadError(BarrelError):
+    status = 502
+    code = "download_failed"
+
+    def __init__(self, message: str, *, http_status: int | None = None) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+
+
+class Cancelled(BarrelError):
+    status = 499
+    code = "cancelled"
+
+
+Progress = Callable[[int, int | None], None]  # (completed, total)
+
+
+def open_url(url: str, headers: dict[str, str] | None = None, timeout: float = 30.0) -> object:
+    req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, **(headers or {})})
+    try:
+        return urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        raise DownloadError(
+            f"GET {url}: HTTP {exc.code} {exc.reason}", http_status=exc.code
+        ) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise DownloadError(f"GET {url}: {reason}") from None
+
+
+def fetch(
+    url: str,
+    partial: Path,
+    *,
+    digest: str | None,
+    size: int | None,
+    progress: Progress,
+    cancelled: threading.Event,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> tuple[str, int]:
+    """Download `url` into `partial`; returns (sha256 digest, size). The partial stays
+    on failure (to resume) except on a digest mismatch."""
+    have = partial.stat().st_size if partial.exists() else 0
+    h = hashlib.sha256()
+    if have:
+        with partial.open("rb") as f:
+            hash_file(f, h)
+    if size is not None and have > size:
+        partial.unlink()
+        have, h = 0, hashlib.sha256()
+    if size is None or have < size:
+        req_headers = dict(headers or {})
+        if have:
+            req_headers["Range"] = f"bytes={have}-"
+        resp = open_url(url, req_headers, timeout)
+        with resp as r:  # type: ignore[attr-defined]
+            status = r.status
+            if have and status == 200:
+                logger.info("%s ignored the range request; restarting", url)
+                have, h = 0, hashlib.sha256()
+            total = size
+            length = r.headers.get("Content-Length")
+            if total is None and length is not None:
+                total = have + int(length)
+            progress(have, total)
+            with partial.open("r+b" if have else "wb") as f:
+                f.seek(have)
+                f.truncate()
+                while True:
+                    if cancelled.is_set():
+                        raise Cancelled("download cancelled")
+                    block = r.read(CHUNK)
+                    if not block:
+                        break
+                    f.write(block)
+                    f.flush()  # what is flushed survives a crash: resume loses < 1 chunk
+                    h.update(block)
+                    have += len(block)
+                    progress(have, total)
+    if size is not None and have != size:
+        raise DownloadError(f"{url}: got {have} bytes, expected {size}")
+    actual = "sha256:" + h.hexdigest()
+    if digest is not None and parse_digest(digest) != h.hexdigest():
+        partial.unlink(missing_ok=True)
+        raise DigestMismatch(f"{url}: downloaded data has digest {actual}, expected {digest}")
+    return actual, have

@@ -1,0 +1,290 @@
+"""GGUF metadata from the header only, bounded, for untrusted files.
+
+`gguf.GGUFReader` maps the whole file and builds Python objects for every field — seconds
+for a 150k-token vocabulary, and it trusts the lengths it reads. This reader streams the
+header with the `gguf` package's type codes, keeps only the keys Barrel shows, skips the
+rest (counting, never allocating by a length it has not checked against the file size)
+and refuses anything malformed with `InvalidGGUF` (400).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gguf import GGUFValueType, LlamaFileType
+
+from barrel.errors import InvalidRequest
+
+MAGIC = b"GGUF"
+MAX_KEY = 1 << 16
+MAX_STRING = 16 << 20  # a chat template is tens of KiB; 16 MiB is generous
+MAX_COUNT = 1 << 24
+MAX_DIMS = 8
+
+_SCALARS: dict[GGUFValueType, tuple[str, int]] = {
+    GGUFValueType.UINT8: ("<B", 1),
+    GGUFValueType.INT8: ("<b", 1),
+    GGUFValueType.UINT16: ("<H", 2),
+    GGUFValueType.INT16: ("<h", 2),
+    GGUFValueType.UINT32: ("<I", 4),
+    GGUFValueType.INT32: ("<i", 4),
+    GGUFValueType.FLOAT32: ("<f", 4),
+    GGUFValueType.BOOL: ("<?", 1),
+    GGUFValueType.UINT64: ("<Q", 8),
+    GGUFValueType.INT64: ("<q", 8),
+    GGUFValueType.FLOAT64: ("<d", 8),
+}
+
+# Arrays kept whole (small); every other array is skipped.
+_KEEP_ARRAYS = {"general.tags", "general.languages"}
+_FIM_TOKENS = {
+    "<|fim_prefix|>",
+    "<fim_prefix>",
+    "<PRE>",
+    "<|fim_begin|>",
+    "<\uff5cfim\u2581begin\uff5c>",  # DeepSeek's full-width bars
+}
+ENCODER_ARCHS = {
+    "bert",
+    "nomic-bert",
+    "nomic-bert-moe",
+    "jina-bert-v2",
+    "t5encoder",
+    "neo-bert",
+    "modern-bert",
+}
+
+
+class InvalidGGUF(InvalidRequest):
+    code = "invalid_gguf"
+
+
+@dataclass
+class GGUFInfo:
+    version: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tensor_count: int = 0
+    parameter_count: int = 0
+    has_fim_tokens: bool = False
+    file_size: int = 0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.get("general.architecture", "unknown"))
+
+    def arch_key(self, suffix: str) -> Any:
+        return self.get(f"{self.architecture}.{suffix}")
+
+    @property
+    def context_length(self) -> int:
+        return int(self.arch_key("context_length") or 0)
+
+    @property
+    def embedding_length(self) -> int:
+        return int(self.arch_key("embedding_length") or 0)
+
+    @property
+    def block_count(self) -> int:
+        return int(self.arch_key("block_count") or 0)
+
+    @property
+    def head_count_kv(self) -> int:
+        value = self.arch_key("attention.head_count_kv") or self.arch_key("attention.head_count")
+        return int(value or 0)
+
+    @property
+    def pooling_type(self) -> int | None:
+        value = self.arch_key("pooling_type")
+        return int(value) if value is not None else None
+
+    @property
+    def chat_template(self) -> str:
+        return str(self.get("tokenizer.chat_template", "") or "")
+
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        """Named templates (tokenizer.chat_template.<name>), the default one as ''."""
+        out = {"": self.chat_template} if self.chat_template else {}
+        for key, value in self.metadata.items():
+            if key.startswith("tokenizer.chat_template.") and isinstance(value, str):
+                out[key.removeprefix("tokenizer.chat_template.")] = value
+        return out
+
+    @property
+    def quantization(self) -> str:
+        ft = self.get("general.file_type")
+        if ft is None:
+            return "unknown"
+        try:
+            return LlamaFileType(int(ft)).name.removeprefix("MOSTLY_").replace("ALL_", "")
+        except ValueError:
+            return f"type{ft}"
+
+    @property
+    def size_label(self) -> str:
+        label = self.get("general.size_label")
+        if label:
+            return str(label)
+        n = self.parameter_count
+        if n >= 1e9:
+            return f"{n / 1e9:.1f}B"
+        if n >= 1e6:
+            return f"{n / 1e6:.2f}M"
+        return f"{n / 1e3:.2f}K" if n else ""
+
+    @property
+    def is_embedding_model(self) -> bool:
+        return self.architecture in ENCODER_ARCHS or (self.pooling_type or 0) > 0
+
+    @property
+    def capabilities(self) -> list[str]:
+        caps = []
+        template = "\n".join(self.chat_templates.values())
+        if self.is_embedding_model:
+            caps.append("embedding")
+        else:
+            caps.append("completion")
+            if "tools" in template:
+                caps.append("tools")
+            if (
+                "<think>" in template
+                or "enable_thinking" in template
+                or "reasoning_content" in template
+            ):
+                caps.append("thinking")
+            if self.has_fim_tokens or self.get("tokenizer.ggml.fim_pre_token_id") is not None:
+                caps.append("insert")
+        return caps
+
+    def model_info(self) -> dict[str, Any]:
+        """Ollama's `model_info`: scalar metadata (vocabulary arrays left out)."""
+        info = {
+            k: v for k, v in self.metadata.items() if not k.startswith("tokenizer.chat_template")
+        }
+        info["general.parameter_count"] = self.parameter_count
+        return dict(sorted(info.items()))
+
+
+class _Reader:
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        self.f = f
+        self.size = size
+
+    def read(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise InvalidGGUF("truncated GGUF header")
+        return data
+
+    def remaining(self) -> int:
+        return self.size - self.f.tell()
+
+    def scalar(self, vtype: GGUFValueType) -> Any:
+        fmt, n = _SCALARS[vtype]
+        return struct.unpack(fmt, self.read(n))[0]
+
+    def u32(self) -> int:
+        return int(struct.unpack("<I", self.read(4))[0])
+
+    def u64(self) -> int:
+        return int(struct.unpack("<Q", self.read(8))[0])
+
+    def string(self, limit: int = MAX_STRING) -> str:
+        n = self.u64()
+        if n > limit or n > self.remaining():
+            raise InvalidGGUF(f"a GGUF string claims {n} bytes")
+        return self.read(n).decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        n = self.u64()
+        if n > self.remaining():
+            raise InvalidGGUF(f"a GGUF string claims {n} bytes")
+        self.f.seek(n, io.SEEK_CUR)
+
+    def value_type(self) -> GGUFValueType:
+        code = self.u32()
+        try:
+            return GGUFValueType(code)
+        except ValueError:
+            raise InvalidGGUF(f"unknown GGUF value type {code}") from None
+
+
+def read_gguf(path: str | Path) -> GGUFInfo:
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with p.open("rb") as raw:
+            return _parse(_Reader(io.BufferedReader(raw, 1 << 16), size))
+    except OSError as exc:
+        raise InvalidGGUF(f"cannot read {p.name}: {exc.strerror}") from None
+    except struct.error as exc:
+        raise InvalidGGUF(f"malformed GGUF header: {exc}") from None
+
+
+def _parse(r: _Reader) -> GGUFInfo:
+    if r.size < 24 or r.read(4) != MAGIC:
+        raise InvalidGGUF("not a GGUF file (bad magic)")
+    version = r.u32()
+    if version not in (2, 3):
+        raise InvalidGGUF(f"unsupported GGUF version {version}")
+    n_tensors, n_kv = r.u64(), r.u64()
+    if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
+        raise InvalidGGUF(f"absurd GGUF counts: {n_tensors} tensors, {n_kv} keys")
+    info = GGUFInfo(version, tensor_count=n_tensors, file_size=r.size)
+    for _ in range(n_kv):
+        key = r.string(MAX_KEY)
+        vtype = r.value_type()
+        if vtype == GGUFValueType.ARRAY:
+            _read_array(r, key, info)
+        elif vtype == GGUFValueType.STRING:
+            info.metadata[key] = r.string()
+        else:
+            info.metadata[key] = r.scalar(vtype)
+    for _ in range(n_tensors):
+        r.skip_string()  # name
+        n_dims = r.u32()
+        if n_dims > MAX_DIMS:
+            raise InvalidGGUF(f"a tensor claims {n_dims} dimensions")
+        count = 1
+        for _ in range(n_dims):
+            count *= r.u64()
+        r.read(4 + 8)  # type, offset
+        info.parameter_count += count
+    return info
+
+
+def _read_array(r: _Reader, key: str, info: GGUFInfo) -> None:
+    etype = r.value_type()
+    count = r.u64()
+    min_size = 8 if etype == GGUFValueType.STRING else _SCALARS.get(etype, ("", 1))[1]
+    if etype == GGUFValueType.ARRAY or count > MAX_COUNT or count * min_size > r.remaining():
+        raise InvalidGGUF(f"GGUF array {key!r} claims {count} elements")
+    if etype == GGUFValueType.STRING:
+        keep = key in _KEEP_ARRAYS
+        fim_scan = key == "tokenizer.ggml.tokens"
+        values = []
+        for _ in range(count):
+            if keep or fim_scan:
+                s = r.string(1 << 16)
+                if keep:
+                    values.append(s)
+                elif s in _FIM_TOKENS:
+                    info.has_fim_tokens = True
+            else:
+                r.skip_string()
+        if keep:
+            info.metadata[key] = values
+        return
+    fmt, n = _SCALARS[etype]
+    if key in _KEEP_ARRAYS and count <= 4096:
+        data = r.read(n * count)
+        info.metadata[key] = [v[0] for v in struct.iter_unpack(fmt, data)]
+    else:
+        r.f.seek(n * count, io.SEEK_CUR)
