@@ -78,13 +78,27 @@ class ModelDefaults(_Section, frozen=True):
     num_thread: int = 0  # 0: the machine's cores
 
 
+class RegistryConfig(_Section, frozen=True):
+    # Base URL by registry host; a host not listed is reached at https://<host>.
+    hosts: dict[str, str] = msgspec.field(
+        default_factory=lambda: {"registry.ollama.ai": "https://registry.ollama.ai"}
+    )
+    huggingface: str = "https://huggingface.co"
+    # A non-streaming pull answers 504 after this long; the download goes on.
+    pull_timeout_s: float = 600.0
+
+
 class ModelsConfig(_Section, frozen=True):
     cache_root: str = ""  # empty: <user data dir>/barrel
+    # FROM paths and file:// pulls must resolve inside it; empty: <cache_root>/imports
+    import_dir: str = ""
     max_context_size: int = 4096
     default_keep_alive: str = "5m"
     defaults: ModelDefaults = msgspec.field(default_factory=ModelDefaults)
     # Alias name -> model name.
-    aliases: dict[str, str] = msgspec.field(default_factory=dict)
+    aliases: dict[str, str] = msgspec.field(
+        default_factory=lambda: {"fast": "coder-7b:main", "big": "qwen3-coder:30b"}
+    )
     # Local GGUF files registered at boot: name -> path (same as `--model NAME=PATH`).
     local: dict[str, str] = msgspec.field(default_factory=dict)
 
@@ -96,12 +110,22 @@ class Config(_Section, frozen=True):
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     supervision: SupervisionConfig = msgspec.field(default_factory=SupervisionConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
+    registry: RegistryConfig = msgspec.field(default_factory=RegistryConfig)
 
     @property
     def cache_root(self) -> Path:
         if self.models.cache_root:
             return Path(self.models.cache_root).expanduser()
         return Path(platformdirs.user_data_dir("barrel"))
+
+    @property
+    def import_dir(self) -> Path:
+        if self.models.import_dir:
+            return Path(self.models.import_dir).expanduser()
+        return self.cache_root / "imports"
+
+    def resolve_alias(self, name: str) -> str:
+        return self.models.aliases.get(name, name)
 
 
 def parse_duration(text: str) -> float:

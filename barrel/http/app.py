@@ -15,10 +15,11 @@ from barrel.actors.supervisor import ChildSpec, SupervisorEnv
 from barrel.actors.timers import Timers
 from barrel.actors.tree import daemon_tree
 from barrel.config import Config
-from barrel.http import health
-from barrel.http.keys import CONFIG, METRICS, ON_FATAL, RUNTIME
+from barrel.http import health, ollama_models
+from barrel.http.keys import CONFIG, METRICS, ON_FATAL, RUNTIME, STORE
 from barrel.http.middlewares import MIDDLEWARES, decorate_response
 from barrel.metrics import Metrics
+from barrel.store.store import ModelStore
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +44,16 @@ def make_app(
     app[METRICS] = metrics
     app[ON_FATAL] = on_fatal or (lambda why: logger.critical("fatal: %s", why))
     models = {**config.models.local, **(local_models or {})}
-    build = tree or (lambda env: daemon_tree(config, env, models))
+    store = ModelStore(config.cache_root, config.import_dir)
+    app[STORE] = store
+    build = tree or (lambda env: daemon_tree(config, env, models, store))
     timers = Timers()
     env = SupervisorEnv(Registry(), timers.clock, metrics)
     app[RUNTIME] = Runtime(build, env, timers)
     app.on_response_prepare.append(decorate_response)
     app.cleanup_ctx.append(_tree_lifecycle)
     app.router.add_routes(health.routes)
+    app.router.add_routes(ollama_models.routes)
     return app
 
 

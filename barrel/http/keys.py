@@ -9,10 +9,12 @@ from aiohttp import web
 from barrel.actors.runtime import Runtime
 from barrel.config import Config
 from barrel.metrics import Metrics
+from barrel.store.store import ModelStore
 
 CONFIG = web.AppKey("config", Config)
 RUNTIME = web.AppKey("runtime", Runtime)
 METRICS = web.AppKey("metrics", Metrics)
+STORE = web.AppKey("store", ModelStore)
 # Called (on the loop) when the daemon cannot go on: the tree failed to boot or its root
 # crashed. `barrel serve` shuts down and exits 1; tests may watch it.
 ON_FATAL: web.AppKey[Callable[[str], None]] = web.AppKey("on_fatal")

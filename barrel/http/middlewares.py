@@ -170,6 +170,8 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def body_cap(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Refuse a declared oversize body before anything reads it. A chunked body without
     Content-Length hits the same cap (`client_max_size`) when the handler reads it."""
+    if request.path.startswith("/api/blobs/"):
+        return await handler(request)  # model uploads are streamed to disk, not read whole
     cap = request.app[CONFIG].limits.max_request_body_bytes
     if request.content_length is not None and request.content_length > cap:
         raise PayloadTooLarge(

@@ -1,0 +1,149 @@
+"""The pull coordinator: one actor per model being pulled, under `pull_sup`.
+
+It owns the download (a worker thread running `barrel.store.pull.run_pull`), not the
+HTTP handler: a client that disconnects only unsubscribes, and a second pull of the same
+model subscribes to the running one instead of downloading again. Subscribers get the
+progress so far, then every event, on their own event loop. When the pull ends the actor
+sends the final event and stops (a temporary child: never restarted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pykka
+
+from barrel.actors.child import Child, Exit, Link
+from barrel.errors import BarrelError
+from barrel.store.pull import run_pull
+from barrel.store.sources import Registries
+from barrel.store.store import ModelStore
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[dict[str, Any]], None]
+
+
+def pull_name(model: str) -> str:
+    return f"pull:{model}"
+
+
+@dataclass(frozen=True)
+class _Event:
+    event: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Finished:
+    error: BaseException | None
+
+
+class PullCoordinator(Child):
+    def __init__(self, link: Link, store: ModelStore, model: str, registries: Registries) -> None:
+        super().__init__(link)
+        self.store = store
+        self.model = model
+        self.registries = registries
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._history: list[dict[str, Any]] = []
+        self._subscribers: dict[int, tuple[asyncio.AbstractEventLoop, Sink]] = {}
+        self._tokens = itertools.count(1)
+        self._final: dict[str, Any] | None = None
+
+    def init(self) -> None:
+        self._thread = threading.Thread(target=self._work, name=f"pull-{self.model}", daemon=True)
+        self._thread.start()
+
+    # -- API (asked from the event loop through the bridge) ---------------------------
+
+    def subscribe(
+        self, loop: asyncio.AbstractEventLoop, sink: Sink
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """Returns (token, events so far). The final event, if already out, is among
+        them; otherwise it will come through `sink`."""
+        token = next(self._tokens)
+        if self._final is None:
+            self._subscribers[token] = (loop, sink)
+        return token, list(self._history) + ([self._final] if self._final else [])
+
+    def unsubscribe(self, token: int) -> None:
+        self._subscribers.pop(token, None)
+
+    # -- messages -----------------------------------------------------------------
+
+    def on_receive(self, message: Any) -> Any:
+        if isinstance(message, _Event):
+            self._record(message.event)
+            self._fanout(message.event)
+        elif isinstance(message, _Finished):
+            if message.error is None:
+                final: dict[str, Any] = {"status": "success"}
+            else:
+                final = {"error": _describe(message.error)}
+                if isinstance(message.error, BarrelError):
+                    final["status_code"] = message.error.status
+            self._final = final
+            self._fanout(final, last=True)
+            self.stop()
+        else:
+            return super().on_receive(message)
+        return None
+
+    def _record(self, event: dict[str, Any]) -> None:
+        # Keep the history short: a progress event replaces the previous one of its blob.
+        if self._history and "completed" in event:
+            prev = self._history[-1]
+            if prev.get("digest") == event.get("digest") and "completed" in prev:
+                self._history[-1] = event
+                return
+        self._history.append(event)
+
+    def _fanout(self, event: dict[str, Any], last: bool = False) -> None:
+        for loop, sink in list(self._subscribers.values()):
+            try:
+                loop.call_soon_threadsafe(sink, event)
+            except RuntimeError:
+                pass  # that loop is gone
+        if last:
+            self._subscribers.clear()
+
+    # -- the worker thread --------------------------------------------------------
+
+    def _work(self) -> None:
+        error: BaseException | None = None
+
+        def emit(event: dict[str, Any]) -> None:
+            if event.get("status") == "success":
+                return  # sent by the actor as the final event
+            try:
+                self.actor_ref.tell(_Event(event))
+            except pykka.ActorDeadError:
+                self._cancel.set()
+
+        try:
+            run_pull(self.store, self.model, self.registries, emit, self._cancel)
+        except Exception as exc:  # noqa: BLE001 - every failure goes to the subscribers
+            logger.warning("pull of %s failed: %s", self.model, exc)
+            error = exc
+        try:
+            self.actor_ref.tell(_Finished(error))
+        except pykka.ActorDeadError:
+            pass
+
+    def terminate(self, reason: Exit) -> None:
+        # Stopped before the end (shutdown): stop downloading; the partial file stays
+        # for the next pull to resume.
+        self._cancel.set()
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, BarrelError):
+        return error.message
+    return f"{type(error).__name__}: {error}"
