@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -21,7 +22,13 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, *args: str, cwd: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        cwd: Path,
+        env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "barrel", "serve", "--port", str(self.port), *args]
@@ -33,6 +40,7 @@ class Daemon:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            preexec_fn=preexec,
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()

@@ -45,7 +45,14 @@ class _Finished:
 
 
 class PullCoordinator(Child):
-    def __init__(self, link: Link, store: ModelStore, model: str, registries: Registries) -> None:
+    def __init__(
+        self,
+        link: Link,
+        store: ModelStore,
+        model: str,
+        registries: Registries,
+        first: tuple[asyncio.AbstractEventLoop, Sink] | None = None,
+    ) -> None:
         super().__init__(link)
         self.store = store
         self.model = model
@@ -56,6 +63,9 @@ class PullCoordinator(Child):
         self._subscribers: dict[int, tuple[asyncio.AbstractEventLoop, Sink]] = {}
         self._tokens = itertools.count(1)
         self._final: dict[str, Any] | None = None
+        if first is not None:
+            # The starter subscribes before the work begins: nothing can finish unseen.
+            self._subscribers[0] = first
 
     def init(self) -> None:
         self._thread = threading.Thread(target=self._work, name=f"pull-{self.model}", daemon=True)

@@ -74,6 +74,6 @@ def daemon_tree(
 
 
 def _start_pull(
-    link: Link, model: str, *, store: ModelStore, registries: Registries
+    link: Link, model: str, first: Any = None, *, store: ModelStore, registries: Registries
 ) -> pykka.ActorRef[Any]:
-    return PullCoordinator.start(link, store, model, registries)
+    return PullCoordinator.start(link, store, model, registries, first)

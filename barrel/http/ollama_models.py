@@ -18,11 +18,12 @@ from barrel.actors.store_actor import StoreActor
 from barrel.actors.supervisor import Supervisor
 from barrel.actors.tree import PULL_SUP
 from barrel.actors.tree import STORE as STORE_ACTOR
-from barrel.errors import BarrelError, CallTimeout, InvalidRequest
+from barrel.errors import BarrelError, CallTimeout, InvalidRequest, Unavailable
 from barrel.http.keys import CONFIG, RUNTIME, STORE
 from barrel.store import modelfile as mf
 from barrel.store.download import open_url
 from barrel.store.names import ModelName, parse_digest
+from barrel.store.sources import check_source
 from barrel.store.store import ModelRecord, modified_iso
 from barrel.store.upload import BlobUpload
 
@@ -119,19 +120,10 @@ async def _stream_ndjson(request: web.Request) -> web.StreamResponse:
 async def pull(request: web.Request) -> web.StreamResponse:
     body: PullRequest = await _body(request, PullRequest)
     model = _name(request, body.target())
-    registry = request.app[RUNTIME].registry
+    check_source(model, request.app[CONFIG].import_dir.resolve())
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    ref = registry.whereis(pull_name(model))
-    if ref is None:
-        sup = registry.get(PULL_SUP)
-        try:
-            ref = await bridge.call(sup, Supervisor.start_child, pull_name(model), model)
-        except InvalidRequest:
-            ref = registry.get(pull_name(model))  # started by a concurrent request: join it
-    token, history = await bridge.call(ref, PullCoordinator.subscribe, loop, events.put_nowait)
-    for event in history:
-        events.put_nowait(event)
+    ref, token = await _join_or_start(request, model, loop, events.put_nowait)
     try:
         if body.stream:
             return await _stream_pull(request, events)
@@ -143,6 +135,35 @@ async def pull(request: web.Request) -> web.StreamResponse:
                 await bridge.call(ref, PullCoordinator.unsubscribe, token)
             except BarrelError:
                 pass
+
+
+async def _join_or_start(
+    request: web.Request, model: str, loop: asyncio.AbstractEventLoop, sink: Any
+) -> tuple[Any, int]:
+    """Subscribe to the running pull of `model`, or start one subscribed from birth."""
+    registry = request.app[RUNTIME].registry
+    for _ in range(3):
+        ref = registry.whereis(pull_name(model))
+        if ref is None:
+            try:
+                ref = await bridge.call(
+                    registry.get(PULL_SUP),
+                    Supervisor.start_child,
+                    pull_name(model),
+                    model,
+                    (loop, sink),
+                )
+                return ref, 0
+            except InvalidRequest:
+                continue  # a concurrent request started it first: join that one
+        try:
+            token, history = await bridge.call(ref, PullCoordinator.subscribe, loop, sink)
+        except Unavailable:
+            continue  # it finished in between: start afresh
+        for event in history:
+            sink(event)
+        return ref, token
+    raise Unavailable(f"could not start or join the pull of {model}", retry_after=1.0)
 
 
 async def _stream_pull(

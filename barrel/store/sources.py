@@ -64,6 +64,27 @@ def _slug(text: str) -> str:
     return slug or "model"
 
 
+def check_source(text: str, import_dir: Path) -> None:
+    """The checks that need no network, done before a pull starts (400 on failure)."""
+    text = text.strip()
+    if text.startswith("file://"):
+        _file(text, import_dir)
+    elif text.startswith(("https://", "http://")):
+        _url(text)
+    elif text.startswith("hf://"):
+        parts = text.removeprefix("hf://").split("/", 2)
+        if len(parts) != 3 or not parts[2].endswith(".gguf"):
+            raise InvalidRequest(f"{text}: expected hf://<org>/<repo>/<file>.gguf")
+    elif text.split("/", 1)[0].lower() in HF_HOSTS:
+        path, _, quant = text.partition(":")
+        parts = path.split("/")
+        if len(parts) != 3:
+            raise InvalidRequest(f"{text}: expected hf.co/<org>/<repo>[:<quant>]")
+        ModelName.parse(f"hf.co/{parts[1]}/{parts[2]}:{quant or 'latest'}")
+    else:
+        ModelName.parse(text)
+
+
 def resolve(text: str, registries: Registries, import_dir: Path) -> PullPlan:
     text = text.strip()
     if text.startswith("file://"):

@@ -154,3 +154,27 @@ def write_tiny_lora(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_small_gguf(path: Path, padding_bytes: int = 0, seed: int = 5) -> Path:
+    """A small valid GGUF (llama metadata, a chat template with tools, a few tensors),
+    padded with a random tensor of `padding_bytes`: test data for the store, which
+    reads headers and moves bytes but never loads the weights."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("barrel-small")
+    w.add_context_length(131072)
+    w.add_embedding_length(16)
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_chat_template("{% if tools %}tools{% endif %}{{ messages }}<think>")
+    w.add_tensor("token_embd.weight", rng.standard_normal((8, 16), dtype=np.float32))
+    if padding_bytes:
+        w.add_tensor("padding", rng.standard_normal(padding_bytes // 4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

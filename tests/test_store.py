@@ -1,0 +1,150 @@
+"""Store building blocks: names, digests, the bounded GGUF reader, Modelfiles."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from barrel.errors import InvalidRequest
+from barrel.store.gguf_meta import InvalidGGUF, read_gguf
+from barrel.store.manifests import ManifestStore
+from barrel.store.modelfile import ModelfileError, parse
+from barrel.store.names import InvalidName, ModelName, parse_digest
+from barrel.store.synthetic import write_small_gguf
+
+
+@pytest.mark.parametrize(
+    ("text", "parts", "short"),
+    [
+        ("qwen", ("registry.ollama.ai", "library", "qwen", "latest"), "qwen:latest"),
+        ("qwen:0.5b", ("registry.ollama.ai", "library", "qwen", "0.5b"), "qwen:0.5b"),
+        ("me/tool:v1", ("registry.ollama.ai", "me", "tool", "v1"), "me/tool:v1"),
+        ("hf.co/org/repo:Q4_K_M", ("hf.co", "org", "repo", "Q4_K_M"), "hf.co/org/repo:Q4_K_M"),
+        ("localhost:5000/a/b:c", ("localhost:5000", "a", "b", "c"), "localhost:5000/a/b:c"),
+    ],
+)
+def test_names(text: str, parts: tuple[str, ...], short: str) -> None:
+    name = ModelName.parse(text)
+    assert name.parts == parts
+    assert str(name) == short
+    assert ModelName.parse(str(name)) == name
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "../x", "a/../b", "x:..", "a/b/c/d", "a:b:c", ".hidden", "x y", "a\\b", "é", "x" * 81],
+)
+def test_bad_names(bad: str) -> None:
+    with pytest.raises(InvalidName):
+        ModelName.parse(bad)
+
+
+@given(st.text(max_size=120))
+def test_no_name_escapes_the_manifest_directory(text: str) -> None:
+    try:
+        name = ModelName.parse(text)
+    except InvalidName:
+        return
+    root = Path("/cache/manifests")
+    path = root.joinpath(*name.parts)
+    assert path.resolve().is_relative_to(root)
+    assert all(part not in ("", ".", "..") and "/" not in part for part in name.parts)
+
+
+def test_digests() -> None:
+    hexdigest = "a" * 64
+    assert parse_digest(f"sha256:{hexdigest}") == hexdigest
+    assert parse_digest(f"sha256-{hexdigest}") == hexdigest
+    for bad in ("sha256:" + "A" * 64, "sha256:../../etc", "md5:abc", "sha256:" + "a" * 63, ""):
+        with pytest.raises(InvalidRequest):
+            parse_digest(bad)
+
+
+def test_manifest_paths_stay_inside(tmp_path: Path) -> None:
+    store = ManifestStore(tmp_path)
+    path = store.path(ModelName.parse("host.example:8080/ns/model:tag"))
+    assert path.resolve().is_relative_to(tmp_path)
+
+
+def test_gguf_reader_on_real_models(qwen_path: Path, gemma_path: Path) -> None:
+    qwen = read_gguf(qwen_path)
+    assert (qwen.architecture, qwen.quantization, qwen.context_length) == ("qwen2", "Q4_K_M", 32768)
+    assert (qwen.embedding_length, qwen.block_count, qwen.head_count_kv) == (896, 24, 2)
+    assert qwen.size_label == "0.5B"
+    assert 600e6 < qwen.parameter_count < 700e6
+    assert qwen.capabilities == ["completion", "tools", "insert"]
+    assert qwen.get("tokenizer.ggml.model") == "gpt2"
+    gemma = read_gguf(gemma_path)
+    assert gemma.architecture == "gemma3"
+    assert gemma.capabilities == ["completion"]
+
+
+def _bad_files(tmp_path: Path) -> dict[str, bytes]:
+    good = write_small_gguf(tmp_path / "good.gguf").read_bytes()
+    # offset 24: the first key's length; 24 + 8 + len("general.architecture") + 4: first value
+    key_len = int.from_bytes(good[24:32], "little")
+    value_at = 32 + key_len + 4
+    return {
+        "empty": b"",
+        "bad magic": b"GGML" + good[4:],
+        "truncated": good[:100],
+        "huge string": good[:24] + (1 << 60).to_bytes(8, "little") + good[32:],
+        "huge counts": good[:8] + (1 << 62).to_bytes(8, "little") + good[16:],
+        "huge array": good[: value_at - 4]
+        + (9).to_bytes(4, "little")
+        + (8).to_bytes(4, "little")
+        + (1 << 40).to_bytes(8, "little")
+        + good[value_at + 8 :],
+        "bad version": good[:4] + (99).to_bytes(4, "little") + good[8:],
+    }
+
+
+def test_malformed_gguf_is_refused_without_a_big_allocation(tmp_path: Path) -> None:
+    for label, data in _bad_files(tmp_path).items():
+        path = tmp_path / "bad.gguf"
+        path.write_bytes(data)
+        tracemalloc.start()
+        try:
+            with pytest.raises(InvalidGGUF):
+                read_gguf(path)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, (label, peak)
+
+
+def test_modelfile_errors_name_the_line() -> None:
+    cases = {
+        "FROM x\nPARAMETER num_ctx lots\n": "line 2",
+        "FROM x\n\nPARAMETER bogus 1\n": "line 3: unknown parameter",
+        'FROM x\nSYSTEM """never closed\n': "line 2: unterminated",
+        "FROM x\nMESSAGE robot hi\n": "line 2: MESSAGE role",
+        "FROM x\nFOO bar\n": "line 2: unknown instruction",
+        "PARAMETER temperature 1\n": "no FROM line",
+        "FROM x\nPARAMETER weight_residency sometimes\n": "line 2: weight_residency must be",
+    }
+    for text, message in cases.items():
+        with pytest.raises(ModelfileError, match=message):
+            parse(text)
+
+
+def test_modelfile_round_trip() -> None:
+    text = (
+        'FROM qwen:0.5b\nTEMPLATE """{{ .Prompt }}"""\nSYSTEM """multi\nline"""\n'
+        "ADAPTER sha256:" + "b" * 64 + "\n"
+        'PARAMETER stop "<|im_end|>"\nPARAMETER stop END\nPARAMETER num_ctx 8192\n'
+        "PARAMETER weight_residency lazy\nPARAMETER use_mlock true\n"
+        'MESSAGE user "hi there"\nLICENSE """MIT"""\n'
+    )
+    mf = parse(text)
+    assert mf.parameters == {
+        "stop": ["<|im_end|>", "END"],
+        "num_ctx": 8192,
+        "weight_residency": "lazy",
+        "use_mlock": True,
+    }
+    assert parse(mf.render()) == mf
