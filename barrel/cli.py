@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import urllib.error
+import urllib.request
 
 import msgspec
 
@@ -41,8 +45,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", help="debug, info, warning or error")
 
+    prune = sub.add_parser("prune", help="remove blobs no model uses and stale partial downloads")
+    prune.add_argument("--host", default=None, help="daemon URL (else $BARREL_HOST)")
+
     sub.add_parser("version", help="print the version")
     return parser
+
+
+def _daemon_url(host: str | None) -> str:
+    url = host or os.environ.get("BARREL_HOST") or "http://127.0.0.1:8080"
+    return url if "://" in url else f"http://{url}"
+
+
+def _prune(args: argparse.Namespace) -> int:
+    url = _daemon_url(args.host)
+    req = urllib.request.Request(f"{url}/api/prune", data=b"{}", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            result = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        print(
+            f"barrel: prune failed: HTTP {exc.code} {exc.read().decode(errors='replace')}",
+            file=sys.stderr,
+        )
+        return 1
+    except OSError as exc:
+        print(
+            f"barrel: cannot reach the daemon at {url} ({exc}); start it with `barrel serve`",
+            file=sys.stderr,
+        )
+        return 1
+    blobs, partials = len(result.get("removed_blobs", [])), result.get("removed_partials", 0)
+    print(f"removed {blobs} unused blobs and {partials} partial downloads")
+    return 0
 
 
 def _apply_flags(cfg: config.Config, args: argparse.Namespace) -> config.Config:
@@ -83,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return _serve(args)
+    if args.command == "prune":
+        return _prune(args)
     return EXIT_USAGE
 
 

@@ -454,3 +454,29 @@ def test_aliases_and_search(env: Env, registry: RegistryServer, gguf: Path) -> N
     with urllib.request.urlopen(req, timeout=10) as resp:
         found = json.loads(resp.read())["models"]
     assert {f["source"] for f in found} == {"local", "registry"}
+
+
+def test_prune_from_the_cli(env: Env, gguf: Path) -> None:
+    import subprocess
+    import sys
+
+    client = env.client()
+    digest = client.create_blob(gguf)  # uploaded, never used by a model
+    assert env.daemon is not None
+    proc = subprocess.run(
+        [sys.executable, "-m", "barrel", "prune", "--host", env.daemon.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "removed 1 unused blobs" in proc.stdout
+    assert not (env.cache / "blobs" / digest.replace(":", "-")).exists()
+    down = subprocess.run(
+        [sys.executable, "-m", "barrel", "prune", "--host", "http://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert down.returncode == 1
+    assert "barrel serve" in down.stderr
