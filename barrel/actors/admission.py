@@ -1,0 +1,111 @@
+"""Per-model FIFO admission queues (one actor holds them all).
+
+Each model admits at most `concurrency` requests at once (its engine's sequence count);
+up to `depth` more wait in arrival order; beyond that a request is refused at once with
+503 and Retry-After. A waiting request learns its position as it changes and is told
+when it is admitted, on its own event loop; one that gives up (client gone, timeout)
+leaves the queue. Grants are never lost: a release admits the next waiter in the same
+message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from barrel.actors.child import Child, Link
+from barrel.errors import Unavailable
+
+Notify = Callable[[int], None]  # position (0 = admitted), called on the waiter's loop
+
+
+class QueueFull(Unavailable):
+    code = "queue_full"
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    concurrency: int = 4
+    depth: int = 16
+
+
+@dataclass
+class _Waiter:
+    ticket: int
+    loop: asyncio.AbstractEventLoop
+    notify: Notify
+
+
+@dataclass
+class _Queue:
+    limits: QueueLimits
+    running: set[int] = field(default_factory=set)
+    waiting: deque[_Waiter] = field(default_factory=deque)
+
+
+class Admission(Child):
+    def __init__(self, link: Link, default: QueueLimits | None = None) -> None:
+        super().__init__(link)
+        self.default = default or QueueLimits()
+        self._queues: dict[str, _Queue] = {}
+        self._tickets = itertools.count(1)
+
+    def configure(self, model: str, limits: QueueLimits) -> None:
+        """Set a model's limits (the loader does, from its sequence count)."""
+        q = self._queues.setdefault(model, _Queue(limits))
+        q.limits = limits
+        self._grant(q)
+
+    def enqueue(
+        self, model: str, loop: asyncio.AbstractEventLoop, notify: Notify
+    ) -> tuple[int, int]:
+        """Returns (ticket, position): position 0 means admitted now."""
+        q = self._queues.setdefault(model, _Queue(self.default))
+        ticket = next(self._tickets)
+        if len(q.running) < q.limits.concurrency and not q.waiting:
+            q.running.add(ticket)
+            return ticket, 0
+        if len(q.waiting) >= q.limits.depth:
+            raise QueueFull(
+                f"model {model} is busy: {len(q.running)} running, {len(q.waiting)} waiting",
+                retry_after=2.0,
+            )
+        q.waiting.append(_Waiter(ticket, loop, notify))
+        return ticket, len(q.waiting)
+
+    def release(self, model: str, ticket: int) -> None:
+        """A request ends (or gives up while waiting): free its place."""
+        q = self._queues.get(model)
+        if q is None:
+            return
+        if ticket in q.running:
+            q.running.discard(ticket)
+        else:
+            before = len(q.waiting)
+            q.waiting = deque(w for w in q.waiting if w.ticket != ticket)
+            if len(q.waiting) == before:
+                return
+        self._grant(q)
+
+    def status(self, model: str) -> tuple[int, int]:
+        """(running, waiting)."""
+        q = self._queues.get(model)
+        return (len(q.running), len(q.waiting)) if q else (0, 0)
+
+    def _grant(self, q: _Queue) -> None:
+        while q.waiting and len(q.running) < q.limits.concurrency:
+            w = q.waiting.popleft()
+            q.running.add(w.ticket)
+            _tell(w, 0)
+        for i, w in enumerate(q.waiting, start=1):
+            _tell(w, i)
+
+
+def _tell(w: _Waiter, position: int) -> None:
+    try:
+        w.loop.call_soon_threadsafe(w.notify, position)
+    except RuntimeError:
+        pass  # its loop is gone
