@@ -76,6 +76,11 @@ class ModelDefaults(_Section, frozen=True):
     num_seq_max: int = 4
     num_batch: int = 512
     num_thread: int = 0  # 0: the machine's cores
+    kv_cache_type: str = "f16"  # f16 | q8_0 | q4_0
+    flash_attn: str = "auto"  # auto | on | off
+    queue_depth: int = 16  # requests that may wait per model beyond num_seq_max running
+    queue_timeout_s: float = 300.0  # a request waiting longer gets 503
+    load_timeout_s: float = 600.0
 
 
 class RegistryConfig(_Section, frozen=True):
@@ -94,6 +99,11 @@ class ModelsConfig(_Section, frozen=True):
     import_dir: str = ""
     max_context_size: int = 4096
     default_keep_alive: str = "5m"
+    # Estimate each model's memory before loading it and unload idle ones to make room.
+    memory_aware_loading: bool = False
+    memory_budget_bytes: int = 0  # 0: no budget beyond free memory and the cgroup limit
+    model_load_memory_margin_b: int = 1 << 30
+    weight_residency_default: str = "eager"  # eager | lazy | pinned | lazy_then_pin_resident
     defaults: ModelDefaults = msgspec.field(default_factory=ModelDefaults)
     # Alias name -> model name.
     aliases: dict[str, str] = msgspec.field(
@@ -191,6 +201,13 @@ def validate(config: Config, source: str) -> None:
         errors.append("models.max_context_size: must be at least 64")
     if config.models.defaults.num_seq_max < 1:
         errors.append("models.defaults.num_seq_max: must be at least 1")
+    if config.models.defaults.kv_cache_type not in ("f16", "q8_0", "q4_0"):
+        errors.append("models.defaults.kv_cache_type: must be f16, q8_0 or q4_0")
+    if config.models.defaults.flash_attn not in ("auto", "on", "off"):
+        errors.append("models.defaults.flash_attn: must be auto, on or off")
+    residency = ("eager", "lazy", "pinned", "lazy_then_pin_resident")
+    if config.models.weight_residency_default not in residency:
+        errors.append(f"models.weight_residency_default: must be one of {', '.join(residency)}")
     try:
         parse_duration(config.models.default_keep_alive)
     except ValueError as exc:

@@ -3,10 +3,15 @@
     root (one_for_one)
     ├── catalog      worker, permanent: local GGUF files registered at boot
     ├── store        worker, permanent: manifests and blobs under the cache root
+    ├── admission    worker, permanent: per-model FIFO queues
+    ├── keepalive    worker, permanent: active requests and unload timers per model
+    ├── loader       worker, permanent: loads and unloads models
+    ├── models_sup   supervisor, simple_one_for_one
+    │   └── modelsup:<model>   supervisor (one_for_one), temporary: one per loaded model
+    │       └── model:<model>  EngineWorker, permanent: owns the model's engine thread
     └── pull_sup     supervisor, simple_one_for_one
         └── pull:<model>   PullCoordinator, temporary: one per model being pulled
 
-The lifecycle issue adds loader, keepalive, evictor, session_state and models_sup here;
 guides/supervision.md draws the tree.
 """
 
@@ -18,19 +23,24 @@ from typing import Any
 
 import pykka
 
+from barrel.actors.admission import Admission
 from barrel.actors.catalog import Catalog
 from barrel.actors.child import Link
+from barrel.actors.keepalive import Keepalive
+from barrel.actors.loader import Loader, start_model_subtree
 from barrel.actors.pulls import PullCoordinator
 from barrel.actors.store_actor import StoreActor
 from barrel.actors.supervisor import (
     ChildSpec,
+    ChildType,
     Restart,
     Strategy,
     SupervisorEnv,
     SupFlags,
     supervisor_spec,
 )
-from barrel.config import Config, SupervisorLimits
+from barrel.actors.timers import Timers
+from barrel.config import Config, SupervisorLimits, parse_duration
 from barrel.store.sources import Registries
 from barrel.store.store import ModelStore
 
@@ -38,6 +48,7 @@ ROOT = "root"
 CATALOG = "catalog"
 STORE = "store"
 PULL_SUP = "pull_sup"
+ADMISSION, KEEPALIVE, LOADER, MODELS_SUP = "admission", "keepalive", "loader", "models_sup"
 
 
 def _flags(strategy: Strategy, limits: SupervisorLimits) -> SupFlags:
@@ -53,8 +64,17 @@ def daemon_tree(
     env: SupervisorEnv,
     local_models: Mapping[str, str],
     store: ModelStore,
+    timers: Timers,
 ) -> ChildSpec:
     sup = config.supervision
+    keep_alive = parse_duration(config.models.default_keep_alive)
+    model_subtree = ChildSpec(
+        "model",
+        start_model_subtree,
+        restart=Restart.TEMPORARY,
+        type=ChildType.SUPERVISOR,
+        shutdown=60.0,
+    )
     pull = ChildSpec(
         "pull",
         partial(_start_pull, store=store, registries=registries(config)),
@@ -67,6 +87,37 @@ def daemon_tree(
         [
             ChildSpec(CATALOG, partial(Catalog.start, local=dict(local_models))),
             ChildSpec(STORE, partial(StoreActor.start, store=store)),
+            ChildSpec(ADMISSION, Admission.start),
+            ChildSpec(
+                KEEPALIVE,
+                partial(
+                    Keepalive.start,
+                    registry=env.registry,
+                    timers=timers,
+                    default_keep_alive=keep_alive,
+                    loader=LOADER,
+                ),
+            ),
+            ChildSpec(
+                LOADER,
+                partial(
+                    Loader.start,
+                    registry=env.registry,
+                    env=env,
+                    models_sup=MODELS_SUP,
+                    keepalive=KEEPALIVE,
+                    intensity=sup.models.intensity,
+                    period=sup.models.period_s,
+                ),
+                shutdown=60.0,
+            ),
+            supervisor_spec(
+                MODELS_SUP,
+                SupFlags(Strategy.SIMPLE_ONE_FOR_ONE, 0, 1.0),
+                [model_subtree],
+                env,
+                shutdown=120.0,
+            ),
             supervisor_spec(PULL_SUP, _flags(Strategy.SIMPLE_ONE_FOR_ONE, sup.pulls), [pull], env),
         ],
         env,

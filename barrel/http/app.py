@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from aiohttp import web
 
 from barrel.actors.child import Exit
+from barrel.actors.lifecycle import Lifecycle
 from barrel.actors.registry import Registry
 from barrel.actors.runtime import Runtime
 from barrel.actors.supervisor import ChildSpec, SupervisorEnv
@@ -16,7 +17,7 @@ from barrel.actors.timers import Timers
 from barrel.actors.tree import daemon_tree
 from barrel.config import Config
 from barrel.http import health, ollama_models
-from barrel.http.keys import CONFIG, METRICS, ON_FATAL, RUNTIME, STORE
+from barrel.http.keys import CONFIG, LIFECYCLE, METRICS, ON_FATAL, RUNTIME, STORE
 from barrel.http.middlewares import MIDDLEWARES, decorate_response
 from barrel.metrics import Metrics
 from barrel.store.store import ModelStore
@@ -46,10 +47,11 @@ def make_app(
     models = {**config.models.local, **(local_models or {})}
     store = ModelStore(config.cache_root, config.import_dir)
     app[STORE] = store
-    build = tree or (lambda env: daemon_tree(config, env, models, store))
     timers = Timers()
+    build = tree or (lambda env: daemon_tree(config, env, models, store, timers))
     env = SupervisorEnv(Registry(), timers.clock, metrics)
     app[RUNTIME] = Runtime(build, env, timers)
+    app[LIFECYCLE] = Lifecycle(config, env.registry)
     app.on_response_prepare.append(decorate_response)
     app.cleanup_ctx.append(_tree_lifecycle)
     app.router.add_routes(health.routes)

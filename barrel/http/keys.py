@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from barrel.actors.lifecycle import Lifecycle
 from barrel.actors.runtime import Runtime
 from barrel.config import Config
 from barrel.metrics import Metrics
@@ -15,6 +16,7 @@ CONFIG = web.AppKey("config", Config)
 RUNTIME = web.AppKey("runtime", Runtime)
 METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", ModelStore)
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 # Called (on the loop) when the daemon cannot go on: the tree failed to boot or its root
 # crashed. `barrel serve` shuts down and exits 1; tests may watch it.
 ON_FATAL: web.AppKey[Callable[[str], None]] = web.AppKey("on_fatal")

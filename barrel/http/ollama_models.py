@@ -19,7 +19,7 @@ from barrel.actors.supervisor import Supervisor
 from barrel.actors.tree import PULL_SUP
 from barrel.actors.tree import STORE as STORE_ACTOR
 from barrel.errors import BarrelError, CallTimeout, InvalidRequest, Unavailable
-from barrel.http.keys import CONFIG, RUNTIME, STORE
+from barrel.http.keys import CONFIG, LIFECYCLE, RUNTIME, STORE
 from barrel.store import modelfile as mf
 from barrel.store.download import open_url
 from barrel.store.names import ModelName, parse_digest
@@ -362,6 +362,11 @@ def _search_registries(hosts: dict[str, str], query: str) -> list[dict[str, Any]
                     {"name": repo.removeprefix("library/"), "registry": host, "source": "registry"}
                 )
     return found
+
+
+@routes.get("/api/ps")
+async def ps(request: web.Request) -> web.Response:
+    return web.json_response({"models": await request.app[LIFECYCLE].ps()})
 
 
 # -- blobs ----------------------------------------------------------------------------

@@ -95,6 +95,10 @@ class GGUFInfo:
         return int(self.arch_key("block_count") or 0)
 
     @property
+    def head_count(self) -> int:
+        return int(self.arch_key("attention.head_count") or 0)
+
+    @property
     def head_count_kv(self) -> int:
         value = self.arch_key("attention.head_count_kv") or self.arch_key("attention.head_count")
         return int(value or 0)

@@ -89,6 +89,7 @@ def config_for(info: GGUFInfo, parent: str = "") -> dict[str, Any]:
             "context_length_trained": info.context_length,
             "embedding_length": info.embedding_length,
             "block_count": info.block_count,
+            "head_count": info.head_count,
             "head_count_kv": info.head_count_kv,
             "tokenizer_model": info.get("tokenizer.ggml.model", ""),
             "pooling_type": info.pooling_type,

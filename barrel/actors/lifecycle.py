@@ -1,0 +1,270 @@
+"""What a request handler uses to get an engine: admission, keep-alive and loading, from
+the event loop, through the bridge. One `acquire` / `release` pair per request.
+
+    lease = await lifecycle.acquire("qwen", keep_alive=30.0, on_queued=...)
+    try:
+        stream = lease.engine.submit(...)
+    finally:
+        await lifecycle.release(lease, keep_alive=30.0)
+
+Order matters: the request takes its place in the model's FIFO queue, then counts as
+active for keep-alive (so no timer can unload the model under it), then waits for the
+load. `release` undoes it in reverse; with keep_alive 0 it returns only once the model is
+unloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from barrel.actors import bridge
+from barrel.actors.admission import Admission, QueueLimits
+from barrel.actors.catalog import Catalog
+from barrel.actors.keepalive import Keepalive
+from barrel.actors.loader import Loader, ModelSpec, model_options_for
+from barrel.actors.memory import estimate, planner
+from barrel.actors.registry import Registry
+from barrel.actors.store_actor import StoreActor
+from barrel.config import Config, parse_duration
+from barrel.engine.context import EngineOptions, KVType
+from barrel.engine.engine import Engine
+from barrel.errors import BarrelError, CallTimeout, NotFound, Unavailable
+from barrel.store.gguf_meta import read_gguf
+
+logger = logging.getLogger(__name__)
+
+ADMISSION, KEEPALIVE, LOADER = "admission", "keepalive", "loader"
+LOAD_ASK_TIMEOUT = 120.0
+
+
+@dataclass
+class Lease:
+    model: str
+    ticket: int
+    engine: Engine
+    spec: ModelSpec
+
+
+class Lifecycle:
+    def __init__(self, config: Config, registry: Registry) -> None:
+        self.config = config
+        self.registry = registry
+        # GGUF metadata of local files, by (path, size, mtime): read once, not per request.
+        self._local_meta: dict[tuple[str, int, int], dict[str, Any]] = {}
+
+    # -- resolution -------------------------------------------------------------------
+
+    async def spec(self, model: str) -> ModelSpec:
+        """What loading `model` means: file, context, sequences (400/404 before any
+        slow work)."""
+        name = self.config.resolve_alias(model)
+        catalog = self.registry.get("catalog")
+        try:
+            local = await bridge.call(catalog, Catalog.lookup, name)
+            meta = await self._meta_of(local.path)
+            return self._spec(name, local.path, local.size, meta, {}, {}, "")
+        except NotFound:
+            pass
+        rec = await bridge.call(self.registry.get("store"), StoreActor.get, name)
+        if rec.model_path is None:
+            raise NotFound(f"model {name!r} has no weights")
+        size = sum(la.size for la in rec.manifest.layers if la.mediaType.endswith(".model"))
+        return self._spec(
+            str(rec.name), rec.model_path, size, rec.meta, rec.parameters, rec.details(), rec.digest
+        )
+
+    async def _meta_of(self, path: Path) -> dict[str, Any]:
+        st = await asyncio.to_thread(path.stat)
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        meta = self._local_meta.get(key)
+        if meta is None:
+            info = await asyncio.to_thread(read_gguf, path)
+            meta = {
+                "context_length": info.context_length,
+                "block_count": info.block_count,
+                "head_count": info.head_count,
+                "head_count_kv": info.head_count_kv,
+                "embedding_length": info.embedding_length,
+            }
+            self._local_meta[key] = meta
+        return meta
+
+    def _spec(
+        self,
+        name: str,
+        path: Any,
+        size: int,
+        meta: dict[str, Any],
+        params: dict[str, Any],
+        details: dict[str, Any],
+        digest: str,
+    ) -> ModelSpec:
+        d = self.config.models.defaults
+        trained = int(meta.get("context_length") or self.config.models.max_context_size)
+        n_ctx = int(params.get("num_ctx") or trained)
+        n_ctx = max(64, min(n_ctx, self.config.models.max_context_size))
+        kv_type = str(params.get("kv_cache_type", d.kv_cache_type))
+        flash = params.get("flash_attn")
+        options = EngineOptions(
+            n_ctx=n_ctx,
+            n_batch=int(params.get("num_batch", d.num_batch)),
+            n_ubatch=int(params.get("num_batch", d.num_batch)),
+            n_seq_max=int(params.get("num_seq_max", d.num_seq_max)),
+            threads=int(params.get("num_thread", d.num_thread)),
+            kv_type=KVType(kv_type),
+            flash_attn=d.flash_attn if flash is None else ("on" if flash else "off"),
+        )
+        margin = self.config.models.model_load_memory_margin_b
+        return ModelSpec(
+            name=name,
+            path=path,
+            engine=options,
+            model=model_options_for(params),
+            size_bytes=size,
+            estimate_bytes=estimate(size, meta, n_ctx, kv_type, margin),
+            details=details,
+            digest=digest,
+        )
+
+    # -- a request's lease --------------------------------------------------------------
+
+    async def acquire(
+        self,
+        model: str,
+        keep_alive: float | None = None,
+        on_queued: Callable[[int], None] | None = None,
+    ) -> Lease:
+        spec = await self.spec(model)
+        name = spec.name
+        d = self.config.models.defaults
+        admission = self.registry.get(ADMISSION)
+        limits = QueueLimits(spec.engine.n_seq_max, d.queue_depth)
+        await bridge.call(admission, Admission.configure, name, limits)
+        loop = asyncio.get_running_loop()
+        admitted = asyncio.Event()
+
+        def notify(position: int) -> None:
+            if position == 0:
+                admitted.set()
+            elif on_queued is not None:
+                on_queued(position)
+
+        ticket, position = await bridge.call(admission, Admission.enqueue, name, loop, notify)
+        try:
+            if position > 0:
+                if on_queued is not None:
+                    on_queued(position)
+                try:
+                    await asyncio.wait_for(admitted.wait(), d.queue_timeout_s)
+                except TimeoutError:
+                    raise Unavailable(
+                        f"waited {d.queue_timeout_s:.0f}s in the queue of {name}", retry_after=5.0
+                    ) from None
+            await bridge.call(self.registry.get(KEEPALIVE), Keepalive.acquire, name)
+        except BaseException:
+            await self._give_back(name, ticket)
+            raise
+        try:
+            engine = await self._load(spec)
+        except BaseException:
+            await self._release(name, ticket, None)
+            raise
+        return Lease(name, ticket, engine, spec)
+
+    async def release(self, lease: Lease, keep_alive: float | None = None) -> None:
+        await self._release(lease.model, lease.ticket, keep_alive)
+
+    async def _release(self, name: str, ticket: int, keep_alive: float | None) -> None:
+        unload_now = False
+        try:
+            unload_now = await bridge.call(
+                self.registry.get(KEEPALIVE), Keepalive.release, name, keep_alive
+            )
+        finally:
+            await self._give_back(name, ticket)
+        if unload_now:
+            await self.unload(name)
+
+    async def _give_back(self, name: str, ticket: int) -> None:
+        ref = self.registry.whereis(ADMISSION)
+        if ref is not None:
+            try:
+                await bridge.call(ref, Admission.release, name, ticket)
+            except BarrelError:
+                logger.warning("could not release %s's queue place %s", name, ticket)
+
+    async def _load(self, spec: ModelSpec) -> Engine:
+        plan = None
+        models = self.config.models
+        if models.memory_aware_loading:
+            idle = await bridge.call(self.registry.get(KEEPALIVE), Keepalive.idle_lru)
+            plan = planner(models.memory_budget_bytes, idle, models.memory_budget_bytes > 0)
+        loader = self.registry.get(LOADER)
+        fut = await bridge.call(loader, Loader.ensure, spec, plan, timeout=LOAD_ASK_TIMEOUT)
+        timeout = models.defaults.load_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except TimeoutError:
+            raise CallTimeout(f"model {spec.name} did not load within {timeout:.0f}s") from None
+
+    # -- management ---------------------------------------------------------------------
+
+    async def preload(self, model: str, keep_alive: float | None = None) -> ModelSpec:
+        """Load without a request (Ollama's empty prompt); the keep-alive timer starts."""
+        spec = await self.spec(model)
+        await self._load(spec)
+        await bridge.call(self.registry.get(KEEPALIVE), Keepalive.loaded, spec.name, keep_alive)
+        return spec
+
+    async def unload(self, model: str) -> bool:
+        name = self.config.resolve_alias(model)
+        loader = self.registry.get(LOADER)
+        return bool(await bridge.call(loader, Loader.unload, name, timeout=LOAD_ASK_TIMEOUT))
+
+    async def ps(self) -> list[dict[str, Any]]:
+        """Loaded models with size, context, expiry, active and queued requests."""
+        loaded = await bridge.call(self.registry.get(LOADER), Loader.loaded)
+        activity = await bridge.call(self.registry.get(KEEPALIVE), Keepalive.snapshot)
+        admission = self.registry.get(ADMISSION)
+        out = []
+        for name, spec in loaded.items():
+            running, waiting = await bridge.call(admission, Admission.status, name)
+            a = activity.get(name)
+            out.append(
+                {
+                    "name": name,
+                    "model": name,
+                    "size": spec.estimate_bytes,
+                    "size_vram": 0,
+                    "digest": spec.digest.removeprefix("sha256:"),
+                    "details": spec.details,
+                    "expires_at": _iso(a.expires_at) if a and a.expires_at else None,
+                    "context_length": spec.engine.n_ctx,
+                    "active": a.active if a else 0,
+                    "running": running,
+                    "queued": waiting,
+                }
+            )
+        return out
+
+
+def keep_alive_seconds(value: Any, default: str) -> float:
+    """Ollama's keep_alive: seconds, a duration string, 0 = now, negative = forever."""
+    if value is None:
+        return parse_duration(default)
+    if isinstance(value, bool):
+        raise ValueError("keep_alive must be a number or a duration")
+    if isinstance(value, int | float):
+        return float(value)
+    return parse_duration(str(value))
+
+
+def _iso(ts: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))

@@ -1,0 +1,241 @@
+"""Model lifecycle on the tiny model: FIFO admission, keep-alive, memory-aware loading,
+crash recovery, /api/ps. The daemon's own actor tree, in process."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from barrel.actors.admission import QueueFull
+from barrel.actors.lifecycle import Lease, Lifecycle
+from barrel.actors.memory import ModelWouldOOM
+from barrel.config import Config
+from barrel.engine.errors import EngineCrashed
+from barrel.engine.types import FinishReason, GenerationRequest
+from barrel.http import errors
+from barrel.http.app import make_app
+from barrel.http.keys import LIFECYCLE, RUNTIME
+
+Client = TestClient[web.Request, web.Application]
+MakeClient = Callable[..., Awaitable[Client]]
+
+
+async def start(
+    aiohttp_client: MakeClient, tmp_path: Path, local: dict[str, Path], **models: Any
+) -> tuple[Client, Lifecycle]:
+    defaults = {"num_seq_max": 2, "queue_depth": 4, **models.pop("defaults", {})}
+    config = msgspec.convert(
+        {
+            "models": {
+                "cache_root": str(tmp_path / "cache"),
+                "max_context_size": 1024,
+                "local": {k: str(v) for k, v in local.items()},
+                "defaults": defaults,
+                **models,
+            }
+        },
+        Config,
+    )
+    client = await aiohttp_client(make_app(config))
+    await asyncio.to_thread(client.server.app[RUNTIME].booted.wait, 10)
+    return client, client.server.app[LIFECYCLE]
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def loaded(lc: Lifecycle) -> set[str]:
+    return {m["name"] for m in await lc.ps()}
+
+
+async def test_fifo_queue_admits_two_queues_four_and_refuses_two(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path})
+    await lc.release(await lc.acquire("tiny"))  # loaded: what follows is about the queue
+    admitted: list[int] = []
+    positions: dict[int, list[int]] = {}
+
+    async def request(i: int) -> Lease | BaseException:
+        try:
+            lease = await lc.acquire(
+                "tiny", on_queued=lambda p, i=i: positions.setdefault(i, []).append(p)
+            )
+        except QueueFull as exc:
+            return exc
+        admitted.append(i)
+        return lease
+
+    tasks = []
+    for i in range(8):
+        tasks.append(asyncio.create_task(request(i)))
+        await asyncio.sleep(0.05)  # arrive in order
+
+    def refusals() -> list[QueueFull]:
+        return [t.result() for t in tasks if t.done() and isinstance(t.result(), QueueFull)]
+
+    await until(lambda: len(admitted) == 2 and len(refusals()) == 2)
+    await asyncio.sleep(0.2)
+    assert admitted == [0, 1], "two run at once"
+    refused = refusals()
+    assert [i for i, t in enumerate(tasks) if t.done() and isinstance(t.result(), QueueFull)] == [
+        6,
+        7,
+    ]
+    resp = errors.render("/api/chat", refused[0])
+    assert resp.status == 503
+    assert resp.headers["Retry-After"] == "2"
+    assert errors.render("/v1/messages", refused[0]).status == 529
+    assert [positions[i][0] for i in range(2, 6)] == [1, 2, 3, 4], "queue positions are visible"
+    ps = await lc.ps()
+    assert (ps[0]["running"], ps[0]["queued"]) == (2, 4)
+    # releasing admits the waiters in arrival order
+    leases = {i: t.result() for i, t in enumerate(tasks) if i in admitted}
+    order: list[int] = []
+    while len(order) < 4:
+        i = next(iter(leases))
+        await lc.release(leases.pop(i))
+        await until(lambda: len(admitted) > 2 + len(order))
+        j = admitted[2 + len(order)]
+        order.append(j)
+        leases[j] = await tasks[j]  # type: ignore[assignment]
+    assert order == [2, 3, 4, 5]
+    for lease in leases.values():
+        await lc.release(lease)
+
+
+async def test_a_waiting_request_that_gives_up_leaves_the_queue(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path}, defaults={"num_seq_max": 1})
+    first = await lc.acquire("tiny")
+    waiting = asyncio.create_task(lc.acquire("tiny"))
+    await asyncio.sleep(0.2)
+    waiting.cancel()  # the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await lc.release(first)
+    second = await asyncio.wait_for(lc.acquire("tiny"), 10)  # not stuck behind a ghost
+    await lc.release(second)
+
+
+async def test_keep_alive_zero_unloads_before_answering(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path})
+    lease = await lc.acquire("tiny")
+    assert await loaded(lc) == {"tiny"}
+    await lc.release(lease, keep_alive=0)
+    assert await loaded(lc) == set()
+    assert not lease.engine.alive
+
+
+async def test_keep_alive_counts_from_the_end_of_the_last_request(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path})
+    lease = await lc.acquire("tiny", keep_alive=1.0)
+    # a generation that lasts well past the keep-alive
+    stream = lease.engine.submit(GenerationRequest(lease.engine.tokenize("Hello"), max_tokens=900))
+    started = time.monotonic()
+    async for _ in stream:
+        pass
+    assert time.monotonic() - started > 1.0, "the generation outlived the keep-alive"
+    assert await loaded(lc) == {"tiny"}, "never unloaded during a request"
+    await lc.release(lease, keep_alive=1.0)
+    ended = time.monotonic()
+    assert await loaded(lc) == {"tiny"}
+    while await loaded(lc):
+        await asyncio.sleep(0.05)
+        assert time.monotonic() - ended < 5, "not unloaded after its keep-alive"
+    assert time.monotonic() - ended >= 0.9
+
+
+async def test_memory_budget_unloads_the_idle_model_and_refuses_when_busy(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    other = tmp_path / "other.gguf"
+    shutil.copy(tiny_path, other)
+    size = tiny_path.stat().st_size
+    budget = int(size * 1.6)  # one model and its (small) KV cache fit, two do not
+    _, lc = await start(
+        aiohttp_client,
+        tmp_path,
+        {"a": tiny_path, "b": other},
+        memory_aware_loading=True,
+        memory_budget_bytes=budget,
+        model_load_memory_margin_b=1 << 20,
+    )
+    lease = await lc.acquire("a")
+    await lc.release(lease)
+    assert await loaded(lc) == {"a"}
+    lease_b = await lc.acquire("b")  # a is idle: it goes to make room
+    assert await loaded(lc) == {"b"}
+    with pytest.raises(ModelWouldOOM) as info:
+        await lc.acquire("a")  # b is busy: nothing can go
+    assert info.value.status == 503
+    assert info.value.code == "model_would_oom"
+    await lc.release(lease_b)
+
+
+async def test_engine_crash_mid_stream_then_the_model_serves_again(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    other = tmp_path / "other.gguf"
+    shutil.copy(tiny_path, other)
+    _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path, "bystander": other})
+    bystander = await lc.acquire("bystander")
+    lease = await lc.acquire("tiny")
+    stream = lease.engine.submit(GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=5000))
+    await anext(stream)
+    lease.engine.inject_fault(RuntimeError("engine thread killed"))
+    with pytest.raises(EngineCrashed):
+        await asyncio.wait_for(stream.collect(), 5)
+    await lc.release(lease)
+    deadline = time.monotonic() + 20
+    while True:
+        again = await lc.acquire("tiny")
+        if again.engine.alive and again.engine is not lease.engine:
+            break
+        await lc.release(again)
+        assert time.monotonic() < deadline, "the model never came back"
+        await asyncio.sleep(0.1)
+    _, done = await again.engine.submit(
+        GenerationRequest(again.engine.tokenize("Hi"), max_tokens=5)
+    ).collect()
+    assert done.finish_reason is FinishReason.LENGTH
+    await lc.release(again)
+    assert bystander.engine.alive, "the other model was not touched"
+    _, done = await bystander.engine.submit(GenerationRequest([1, 2, 3], max_tokens=3)).collect()
+    assert done.usage.completion_tokens == 3
+    await lc.release(bystander)
+
+
+async def test_api_ps(aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path) -> None:
+    client, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path})
+    assert (await (await client.get("/api/ps")).json()) == {"models": []}
+    lease = await lc.acquire("tiny", keep_alive=60)
+    body = await (await client.get("/api/ps")).json()
+    (model,) = body["models"]
+    assert model["name"] == "tiny"
+    assert model["context_length"] == 1024
+    assert (model["active"], model["running"], model["queued"]) == (1, 1, 0)
+    assert model["expires_at"] is None, "no expiry while active"
+    assert model["size"] > tiny_path.stat().st_size
+    await lc.release(lease, keep_alive=60)
+    (model,) = (await (await client.get("/api/ps")).json())["models"]
+    assert model["active"] == 0
+    assert model["expires_at"] is not None
