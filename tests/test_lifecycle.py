@@ -170,7 +170,7 @@ async def test_memory_budget_unloads_the_idle_model_and_refuses_when_busy(
 ) -> None:
     other = tmp_path / "other.gguf"
     shutil.copy(tiny_path, other)
-    size = os.path.getsize(tiny_path)
+    size = await asyncio.to_thread(os.path.getsize, tiny_path)
     budget = int(size * 1.6)  # one model and its (small) KV cache fit, two do not
     _, lc = await start(
         aiohttp_client,
@@ -235,7 +235,7 @@ async def test_api_ps(aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Pat
     assert model["context_length"] == 1024
     assert (model["active"], model["running"], model["queued"]) == (1, 1, 0)
     assert model["expires_at"] is None, "no expiry while active"
-    assert model["size"] > os.path.getsize(tiny_path)
+    assert model["size"] > await asyncio.to_thread(os.path.getsize, tiny_path)
     await lc.release(lease, keep_alive=60)
     (model,) = (await (await client.get("/api/ps")).json())["models"]
     assert model["active"] == 0
