@@ -6,6 +6,8 @@ run several apps in one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -18,6 +20,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from barrel import __version__
 from barrel.engine.types import Done
@@ -54,6 +58,10 @@ class Metrics:
         )
 
         self.engine = _EngineFamilies(self.registry)
+
+    def watch_residency(self, resident: Callable[[], dict[str, int]]) -> None:
+        """barrel_inference_resident_bytes{model}, computed with mincore on each scrape."""
+        self.registry.register(_ResidentCollector(resident))
 
     def engine_observer(self, model: str) -> EngineMetrics:
         """The observer an engine reports to, labelled with `model`."""
@@ -145,3 +153,18 @@ class EngineMetrics:
             self._prefill.observe(timings.prefill_s)
         if timings.decode_s > 0:
             self._decode.observe(timings.decode_s)
+
+
+class _ResidentCollector(Collector):
+    def __init__(self, resident: Callable[[], dict[str, int]]) -> None:
+        self.resident = resident
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "barrel_inference_resident_bytes",
+            "Bytes of a loaded model's memory-mapped weights now in RAM (mincore)",
+            labels=["model"],
+        )
+        for model, value in sorted(self.resident().items()):
+            family.add_metric([model], value)
+        yield family

@@ -22,6 +22,7 @@ from barrel.actors.memory import ModelWouldOOM
 from barrel.config import Config
 from barrel.engine.errors import EngineCrashed
 from barrel.engine.types import FinishReason, GenerationRequest
+from barrel.errors import BarrelError
 from barrel.http import errors
 from barrel.http.app import make_app
 from barrel.http.keys import LIFECYCLE, RUNTIME
@@ -240,3 +241,100 @@ async def test_api_ps(aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Pat
     (model,) = (await (await client.get("/api/ps")).json())["models"]
     assert model["active"] == 0
     assert model["expires_at"] is not None
+
+
+async def test_a_failed_load_gives_every_waiter_the_cause(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    from barrel.store.synthetic import write_small_gguf
+
+    broken = write_small_gguf(tmp_path / "no-weights.gguf")  # a valid header, no model
+    client, lc = await start(aiohttp_client, tmp_path, {"broken": broken, "tiny": tiny_path})
+    results = await asyncio.gather(
+        *(lc.acquire("broken") for _ in range(3)), return_exceptions=True
+    )
+    assert all(isinstance(r, BarrelError) for r in results), results
+    # one load, and every waiter gets its cause (later ones as "model failed: <cause>")
+    assert all("llama.cpp could not load" in str(r) for r in results), results
+    with pytest.raises(BarrelError):
+        await lc.acquire("broken")  # failed, not retried in a loop
+    assert (await client.get("/health")).status == 200
+    lease = await lc.acquire("tiny")  # the daemon goes on serving
+    await lc.release(lease)
+
+
+async def test_crashes_beyond_the_intensity_mark_the_model_failed(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    other = tmp_path / "other.gguf"
+    shutil.copy(tiny_path, other)
+    config = {
+        "cache_root": str(tmp_path / "cache"),
+        "max_context_size": 1024,
+        "local": {"tiny": str(tiny_path), "other": str(other)},
+        "defaults": {"num_seq_max": 2},
+    }
+    cfg = msgspec.convert(
+        {"models": config, "supervision": {"models": {"intensity": 1, "period_s": 60}}}, Config
+    )
+    client = await aiohttp_client(make_app(cfg))
+    await asyncio.to_thread(client.server.app[RUNTIME].booted.wait, 10)
+    lc = client.server.app[LIFECYCLE]
+    bystander = await lc.acquire("other")
+    crashed: list[Any] = []
+    for _ in range(10):
+        try:
+            lease = await lc.acquire("tiny")
+        except BarrelError as exc:
+            failure = exc
+            break
+        if lease.engine not in crashed:
+            crashed.append(lease.engine)
+            lease.engine.inject_fault(RuntimeError("boom"))
+        await lc.release(lease)
+        await asyncio.sleep(0.3)
+    else:
+        raise AssertionError("the model never gave up")
+    assert failure.status == 503
+    assert "failed" in failure.message
+    assert len(crashed) == 2, "one restart allowed, the second crash is one too many"
+    assert bystander.engine.alive
+    _, done = await bystander.engine.submit(GenerationRequest([1, 2], max_tokens=2)).collect()
+    assert done.usage.completion_tokens == 2
+    await lc.release(bystander)
+
+
+@pytest.mark.real_model
+async def test_resident_bytes_differ_between_lazy_and_pinned(
+    aiohttp_client: MakeClient, tmp_path: Path, qwen_path: Path
+) -> None:
+    from barrel.engine.residency import drop_page_cache
+
+    async def resident(mode: str) -> tuple[float, float]:
+        client, lc = await start(
+            aiohttp_client, tmp_path / mode, {"qwen": qwen_path}, weight_residency_default=mode
+        )
+        await asyncio.to_thread(drop_page_cache, qwen_path)
+
+        async def gauge() -> float:
+            text = await (await client.get("/metrics")).text()
+            line = next(
+                li for li in text.splitlines() if li.startswith("barrel_inference_resident")
+            )
+            return float(line.split()[-1])
+
+        await lc.preload("qwen")
+        after_load = await gauge()
+        lease = await lc.acquire("qwen")
+        await lease.engine.submit(
+            GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=2)
+        ).collect()
+        await lc.release(lease, keep_alive=0)
+        await lc.preload("qwen")
+        return after_load, await gauge()
+
+    size = await asyncio.to_thread(os.path.getsize, qwen_path)
+    lazy_loaded, _ = await resident("lazy")
+    pinned_loaded, _ = await resident("pinned")
+    assert lazy_loaded < size * 0.2, "lazy: nothing read ahead"
+    assert pinned_loaded > size * 0.9, "pinned: everything in RAM and locked"

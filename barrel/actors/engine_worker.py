@@ -19,6 +19,9 @@ from barrel.actors.child import Child, Exit, Link
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine, EngineObserver
 from barrel.engine.model import LlamaModel, ModelOptions
+from barrel.engine.residency import ResidencyTracker, advise, pin_resident
+from barrel.engine.types import Done
+from barrel.errors import BarrelError
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +48,18 @@ class EngineWorker(Child):
         options: EngineOptions,
         model_options: ModelOptions | None = None,
         observer: EngineObserver | None = None,
+        residency: str = "eager",
+        tracker: ResidencyTracker | None = None,
+        model: str = "",
     ) -> None:
         super().__init__(link)
         self.path = path
         self.options = options
         self.model_options = model_options or ModelOptions()
         self.observer = observer
+        self.residency = residency
+        self.tracker = tracker
+        self.model_label = model or link.id
         self.model: LlamaModel | None = None
         self._engine: Engine | None = None
         self._ready: concurrent.futures.Future[Engine] = concurrent.futures.Future()
@@ -74,18 +83,30 @@ class EngineWorker(Child):
     def _load(self) -> None:
         try:
             self.model = LlamaModel.load(self.path, self.model_options)
+            advise(self.path, self.residency)
+            observer = self.observer
+            if self.residency == "lazy_then_pin_resident":
+                observer = _PinAfterFirstRequest(self.path, observer)
             self._engine = Engine(
                 self.model,
                 self.options,
                 name=self.link.id,
-                observer=self.observer,
+                observer=observer,
                 on_crash=self._engine_crashed,
             ).start()
-        except Exception as exc:
+        except BarrelError as exc:
+            # A model that cannot load (bad file, no memory for the context) fails the
+            # same way on every restart: report it and stay up, failed, for the loader
+            # to unload. Anything else is a bug: crash.
             logger.error("loading %s failed: %s", self.link.id, exc)
             self._ready.set_exception(exc)
+            return
+        except Exception as exc:
+            self._ready.set_exception(exc)
             raise
-        logger.info("model %s loaded from %s", self.link.id, self.path)
+        logger.info("model %s loaded from %s (%s)", self.link.id, self.path, self.residency)
+        if self.tracker is not None:
+            self.tracker.register(self.model_label, self.path)
         self._ready.set_result(self._engine)
 
     def _engine_crashed(self, error: BaseException) -> None:
@@ -93,6 +114,8 @@ class EngineWorker(Child):
         self.actor_ref.tell(_EngineDied(error))
 
     def terminate(self, reason: Exit) -> None:
+        if self.tracker is not None:
+            self.tracker.unregister(self.model_label)
         if not self._ready.done():
             self._ready.set_exception(EngineThreadDied(f"{self.link.id} stopped before loading"))
         if self._engine is not None:
@@ -101,3 +124,35 @@ class EngineWorker(Child):
         if self.model is not None:
             self.model.free()
             self.model = None
+
+
+class _PinAfterFirstRequest:
+    """lazy_then_pin_resident: after the first finished request, lock the pages it made
+    resident (engine thread, once per load)."""
+
+    def __init__(self, path: Path, inner: EngineObserver | None) -> None:
+        self.path = path
+        self.inner = inner
+        self.done = False
+
+    def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
+        if self.inner is not None:
+            self.inner.step(tokens, active, kv_cells, seconds)
+
+    def first_token(self, seconds: float) -> None:
+        if self.inner is not None:
+            self.inner.first_token(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        if self.inner is not None:
+            self.inner.inter_token(seconds)
+
+    def finished(self, done: Done) -> None:
+        if self.inner is not None:
+            self.inner.finished(done)
+        if not self.done:
+            self.done = True
+            locked = pin_resident(self.path)
+            logger.info(
+                "%s: pinned %d resident bytes after the first request", self.path.name, locked
+            )

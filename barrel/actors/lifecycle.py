@@ -129,6 +129,9 @@ class Lifecycle:
             estimate_bytes=estimate(size, meta, n_ctx, kv_type, margin),
             details=details,
             digest=digest,
+            residency=str(
+                params.get("weight_residency", self.config.models.weight_residency_default)
+            ),
         )
 
     # -- a request's lease --------------------------------------------------------------

@@ -40,6 +40,7 @@ from barrel.actors.supervisor import (
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LoadMode, ModelOptions
+from barrel.engine.residency import ResidencyTracker
 from barrel.errors import NotFound, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class ModelSpec:
     estimate_bytes: int = 0
     details: dict[str, Any] = field(default_factory=dict)
     digest: str = ""
+    residency: str = "eager"
 
 
 @dataclass
@@ -94,8 +96,12 @@ class Loader(Child):
         keepalive: str,
         intensity: int = 3,
         period: float = 60.0,
+        tracker: ResidencyTracker | None = None,
+        metrics: Any = None,
     ) -> None:
         super().__init__(link)
+        self.tracker = tracker
+        self.metrics = metrics
         self.registry = registry
         self.env = env
         self.models_sup = models_sup
@@ -121,6 +127,8 @@ class Loader(Child):
             del self._failed[name]
         current = self._models.get(name)
         if current is not None:
+            if current.future.done() and current.future.exception() is not None:
+                return current.future  # the load failed: every waiter gets its cause
             if self._alive(name, current):
                 return current.future
             self._drop(name, "its supervisor gave up")
@@ -181,7 +189,14 @@ class Loader(Child):
         worker = ChildSpec(
             worker_name(name),
             partial(
-                EngineWorker.start, path=spec.path, options=spec.engine, model_options=spec.model
+                EngineWorker.start,
+                path=spec.path,
+                options=spec.engine,
+                model_options=spec.model,
+                observer=self.metrics.engine_observer(name) if self.metrics else None,
+                residency=spec.residency,
+                tracker=self.tracker,
+                model=name,
             ),
             restart=Restart.PERMANENT,
             shutdown=30.0,
@@ -191,8 +206,14 @@ class Loader(Child):
         sup = self.registry.get(self.models_sup)
         sup.proxy().start_child(sup_name(name), tree).get(timeout=60)
         self._models[name] = Loaded(spec, future)
-        ref = self.registry.get(worker_name(name))
-        ready: concurrent.futures.Future[Engine] = ref.proxy().engine_future().get(timeout=5)
+        try:
+            ref = self.registry.get(worker_name(name))
+            ready: concurrent.futures.Future[Engine] = ref.proxy().engine_future().get(timeout=5)
+        except (pykka.ActorDeadError, Unavailable) as exc:
+            self.unload(name)
+            self._failed[name] = (str(exc), time.monotonic())
+            future.set_exception(ModelFailed(f"model {name} failed to start: {exc}"))
+            return future
         ready.add_done_callback(partial(_chain, future))
         ready.add_done_callback(partial(self._load_done, name))
         return future

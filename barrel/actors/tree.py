@@ -41,6 +41,7 @@ from barrel.actors.supervisor import (
 )
 from barrel.actors.timers import Timers
 from barrel.config import Config, SupervisorLimits, parse_duration
+from barrel.engine.residency import ResidencyTracker
 from barrel.store.sources import Registries
 from barrel.store.store import ModelStore
 
@@ -65,6 +66,8 @@ def daemon_tree(
     local_models: Mapping[str, str],
     store: ModelStore,
     timers: Timers,
+    tracker: ResidencyTracker | None = None,
+    metrics: Any = None,
 ) -> ChildSpec:
     sup = config.supervision
     keep_alive = parse_duration(config.models.default_keep_alive)
@@ -108,6 +111,8 @@ def daemon_tree(
                     keepalive=KEEPALIVE,
                     intensity=sup.models.intensity,
                     period=sup.models.period_s,
+                    tracker=tracker,
+                    metrics=metrics,
                 ),
                 shutdown=60.0,
             ),

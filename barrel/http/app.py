@@ -16,6 +16,7 @@ from barrel.actors.supervisor import ChildSpec, SupervisorEnv
 from barrel.actors.timers import Timers
 from barrel.actors.tree import daemon_tree
 from barrel.config import Config
+from barrel.engine.residency import ResidencyTracker
 from barrel.http import health, ollama_models
 from barrel.http.keys import CONFIG, LIFECYCLE, METRICS, ON_FATAL, RUNTIME, STORE
 from barrel.http.middlewares import MIDDLEWARES, decorate_response
@@ -48,7 +49,9 @@ def make_app(
     store = ModelStore(config.cache_root, config.import_dir)
     app[STORE] = store
     timers = Timers()
-    build = tree or (lambda env: daemon_tree(config, env, models, store, timers))
+    tracker = ResidencyTracker()
+    metrics.watch_residency(tracker.resident)
+    build = tree or (lambda env: daemon_tree(config, env, models, store, timers, tracker, metrics))
     env = SupervisorEnv(Registry(), timers.clock, metrics)
     app[RUNTIME] = Runtime(build, env, timers)
     app[LIFECYCLE] = Lifecycle(config, env.registry)
