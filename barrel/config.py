@@ -104,6 +104,9 @@ class ModelsConfig(_Section, frozen=True):
     memory_budget_bytes: int = 0  # 0: no budget beyond free memory and the cgroup limit
     model_load_memory_margin_b: int = 1 << 30
     weight_residency_default: str = "eager"  # eager | lazy | pinned | lazy_then_pin_resident
+    # Evictor: below this much available memory, unload idle models one per interval.
+    memory_watermark_bytes: int = 0  # 0: off
+    evictor_interval_s: float = 5.0
     defaults: ModelDefaults = msgspec.field(default_factory=ModelDefaults)
     # Alias name -> model name.
     aliases: dict[str, str] = msgspec.field(

@@ -338,3 +338,64 @@ async def test_resident_bytes_differ_between_lazy_and_pinned(
     pinned_loaded, _ = await resident("pinned")
     assert lazy_loaded < size * 0.2, "lazy: nothing read ahead"
     assert pinned_loaded > size * 0.9, "pinned: everything in RAM and locked"
+
+
+async def test_evictor_unloads_idle_models_under_pressure_never_busy_ones(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    other = tmp_path / "other.gguf"
+    shutil.copy(tiny_path, other)
+    # A watermark no machine meets: permanent pressure.
+    _, lc = await start(
+        aiohttp_client,
+        tmp_path,
+        {"busy": tiny_path, "idle": other},
+        memory_watermark_bytes=1 << 60,
+        evictor_interval_s=0.1,
+    )
+    busy = await lc.acquire("busy", keep_alive=-1)
+    await lc.release(await lc.acquire("idle", keep_alive=-1))
+    await until(lambda: True)
+    deadline = time.monotonic() + 10
+    while "idle" in await loaded(lc):
+        assert time.monotonic() < deadline, "the idle model was never evicted"
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)  # several more ticks
+    assert await loaded(lc) == {"busy"}, "a model with a request in flight stays"
+    _, done = await busy.engine.submit(GenerationRequest([1, 2], max_tokens=2)).collect()
+    assert done.usage.completion_tokens == 2
+    await lc.release(busy)
+
+
+async def test_load_progress_while_waiting(
+    aiohttp_client: MakeClient, tmp_path: Path, qwen_path: Path
+) -> None:
+    _, lc = await start(aiohttp_client, tmp_path, {"qwen": qwen_path})
+    lc.progress_every = 0.01
+    seen: list[float] = []
+    lease = await lc.acquire("qwen", on_loading=seen.append)
+    assert seen, "progress arrived while the model loaded"
+    assert seen == sorted(seen)
+    await lc.release(lease)
+    seen.clear()
+    lease = await lc.acquire("qwen", on_loading=seen.append)
+    assert seen == [], "no progress for a model already loaded"
+    await lc.release(lease)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(None, 300.0), (0, 0.0), (-1, -1.0), (30, 30.0), ("5m", 300.0), ("1h", 3600.0), ("30s", 30.0)],
+)
+def test_keep_alive_values(value: Any, seconds: float) -> None:
+    from barrel.actors.lifecycle import keep_alive_seconds
+
+    assert keep_alive_seconds(value, "5m") == seconds
+
+
+def test_bad_keep_alive() -> None:
+    from barrel.actors.lifecycle import keep_alive_seconds
+
+    for bad in ("soon", True, "5 minutes"):
+        with pytest.raises(ValueError, match="keep_alive|duration"):
+            keep_alive_seconds(bad, "5m")

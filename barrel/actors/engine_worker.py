@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,27 @@ class EngineThreadDied(Exception):
     """Raised in the actor to crash it (let it crash) when its engine thread died."""
 
 
+class EngineBoard:
+    """Where each worker incarnation publishes its engine future, so the loader can wait
+    on it without asking the worker (whose inbox is busy loading). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: dict[str, concurrent.futures.Future[Engine]] = {}
+
+    def publish(self, name: str, future: concurrent.futures.Future[Engine]) -> None:
+        with self._lock:
+            self._futures[name] = future
+
+    def get(self, name: str) -> concurrent.futures.Future[Engine] | None:
+        with self._lock:
+            return self._futures.get(name)
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._futures.pop(name, None)
+
+
 class EngineWorker(Child):
     def __init__(
         self,
@@ -51,6 +73,7 @@ class EngineWorker(Child):
         residency: str = "eager",
         tracker: ResidencyTracker | None = None,
         model: str = "",
+        board: EngineBoard | None = None,
     ) -> None:
         super().__init__(link)
         self.path = path
@@ -63,6 +86,8 @@ class EngineWorker(Child):
         self.model: LlamaModel | None = None
         self._engine: Engine | None = None
         self._ready: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+        if board is not None:
+            board.publish(link.id, self._ready)
 
     def init(self) -> None:
         self.actor_ref.tell(_Load())

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 ADMISSION, KEEPALIVE, LOADER = "admission", "keepalive", "loader"
 LOAD_ASK_TIMEOUT = 120.0
+LOAD_PROGRESS_S = 2.0
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Lifecycle:
     def __init__(self, config: Config, registry: Registry) -> None:
         self.config = config
         self.registry = registry
+        self.progress_every = LOAD_PROGRESS_S
         # GGUF metadata of local files, by (path, size, mtime): read once, not per request.
         self._local_meta: dict[tuple[str, int, int], dict[str, Any]] = {}
 
@@ -141,7 +143,11 @@ class Lifecycle:
         model: str,
         keep_alive: float | None = None,
         on_queued: Callable[[int], None] | None = None,
+        on_loading: Callable[[float], None] | None = None,
     ) -> Lease:
+        """Queue for the model, count as active, wait for the load. `on_queued(position)`
+        hears each new queue position; `on_loading(seconds)` every `LOAD_PROGRESS_S`
+        while the model loads (for SSE comments and pings)."""
         spec = await self.spec(model)
         name = spec.name
         d = self.config.models.defaults
@@ -173,7 +179,7 @@ class Lifecycle:
             await self._give_back(name, ticket)
             raise
         try:
-            engine = await self._load(spec)
+            engine = await self._load(spec, on_loading)
         except BaseException:
             await self._release(name, ticket, None)
             raise
@@ -201,7 +207,9 @@ class Lifecycle:
             except BarrelError:
                 logger.warning("could not release %s's queue place %s", name, ticket)
 
-    async def _load(self, spec: ModelSpec) -> Engine:
+    async def _load(
+        self, spec: ModelSpec, on_loading: Callable[[float], None] | None = None
+    ) -> Engine:
         plan = None
         models = self.config.models
         if models.memory_aware_loading:
@@ -210,10 +218,18 @@ class Lifecycle:
         loader = self.registry.get(LOADER)
         fut = await bridge.call(loader, Loader.ensure, spec, plan, timeout=LOAD_ASK_TIMEOUT)
         timeout = models.defaults.load_timeout_s
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
-        except TimeoutError:
-            raise CallTimeout(f"model {spec.name} did not load within {timeout:.0f}s") from None
+        loading = asyncio.wrap_future(fut)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while True:
+            left = timeout - (loop.time() - start)
+            if left <= 0:
+                raise CallTimeout(f"model {spec.name} did not load within {timeout:.0f}s")
+            done, _ = await asyncio.wait({loading}, timeout=min(self.progress_every, left))
+            if done:
+                return loading.result()
+            if on_loading is not None:
+                on_loading(loop.time() - start)
 
     # -- management ---------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from typing import Any
 import pykka
 
 from barrel.actors.child import Child, Link
-from barrel.actors.engine_worker import EngineWorker
+from barrel.actors.engine_worker import EngineBoard, EngineWorker
 from barrel.actors.keepalive import Forget, UnloadIdle
 from barrel.actors.registry import Registry
 from barrel.actors.supervisor import (
@@ -102,6 +102,7 @@ class Loader(Child):
         super().__init__(link)
         self.tracker = tracker
         self.metrics = metrics
+        self.board = EngineBoard()
         self.registry = registry
         self.env = env
         self.models_sup = models_sup
@@ -143,6 +144,7 @@ class Loader(Child):
     def unload(self, name: str) -> bool:
         """Stop the model's engine and free it; True if it was loaded."""
         loaded = self._models.pop(name, None)
+        self.board.remove(worker_name(name))
         self._forget(name)
         sup = self.registry.whereis(self.models_sup)
         if loaded is None or sup is None:
@@ -197,6 +199,7 @@ class Loader(Child):
                 residency=spec.residency,
                 tracker=self.tracker,
                 model=name,
+                board=self.board,
             ),
             restart=Restart.PERMANENT,
             shutdown=30.0,
@@ -206,13 +209,10 @@ class Loader(Child):
         sup = self.registry.get(self.models_sup)
         sup.proxy().start_child(sup_name(name), tree).get(timeout=60)
         self._models[name] = Loaded(spec, future)
-        try:
-            ref = self.registry.get(worker_name(name))
-            ready: concurrent.futures.Future[Engine] = ref.proxy().engine_future().get(timeout=5)
-        except (pykka.ActorDeadError, Unavailable) as exc:
+        ready = self.board.get(worker_name(name))
+        if ready is None:
             self.unload(name)
-            self._failed[name] = (str(exc), time.monotonic())
-            future.set_exception(ModelFailed(f"model {name} failed to start: {exc}"))
+            future.set_exception(ModelFailed(f"model {name} failed to start"))
             return future
         ready.add_done_callback(partial(_chain, future))
         ready.add_done_callback(partial(self._load_done, name))
@@ -237,17 +237,14 @@ class Loader(Child):
         engine = loaded.future.result()
         if engine.alive:
             return True
-        ref = self.registry.whereis(worker_name(name))
-        if ref is None:
+        fresh = self.board.get(worker_name(name))
+        if fresh is None or (fresh.done() and not fresh.exception() and fresh.result() is engine):
             return True  # restarting: the next ensure will find the new engine
-        try:
-            fresh: concurrent.futures.Future[Engine] = ref.proxy().engine_future().get(timeout=5)
-        except pykka.ActorDeadError:
-            return True
         loaded.future = fresh
         return True
 
     def _drop(self, name: str, reason: str) -> None:
+        self.board.remove(worker_name(name))
         self._models.pop(name, None)
         entry = next((e for e in self.registry.entries() if e.name == sup_name(name)), None)
         why = entry.reason if entry and entry.reason else reason

@@ -6,6 +6,7 @@
     ├── admission    worker, permanent: per-model FIFO queues
     ├── keepalive    worker, permanent: active requests and unload timers per model
     ├── loader       worker, permanent: loads and unloads models
+    ├── evictor      worker, permanent: unloads idle models under memory pressure
     ├── models_sup   supervisor, simple_one_for_one
     │   └── modelsup:<model>   supervisor (one_for_one), temporary: one per loaded model
     │       └── model:<model>  EngineWorker, permanent: owns the model's engine thread
@@ -26,6 +27,7 @@ import pykka
 from barrel.actors.admission import Admission
 from barrel.actors.catalog import Catalog
 from barrel.actors.child import Link
+from barrel.actors.evictor import Evictor
 from barrel.actors.keepalive import Keepalive
 from barrel.actors.loader import Loader, start_model_subtree
 from barrel.actors.pulls import PullCoordinator
@@ -50,6 +52,7 @@ CATALOG = "catalog"
 STORE = "store"
 PULL_SUP = "pull_sup"
 ADMISSION, KEEPALIVE, LOADER, MODELS_SUP = "admission", "keepalive", "loader", "models_sup"
+EVICTOR = "evictor"
 
 
 def _flags(strategy: Strategy, limits: SupervisorLimits) -> SupFlags:
@@ -115,6 +118,19 @@ def daemon_tree(
                     metrics=metrics,
                 ),
                 shutdown=60.0,
+            ),
+            ChildSpec(
+                EVICTOR,
+                partial(
+                    Evictor.start,
+                    registry=env.registry,
+                    timers=timers,
+                    watermark=config.models.memory_watermark_bytes,
+                    interval=config.models.evictor_interval_s,
+                    budget=config.models.memory_budget_bytes,
+                    keepalive=KEEPALIVE,
+                    loader=LOADER,
+                ),
             ),
             supervisor_spec(
                 MODELS_SUP,
