@@ -397,5 +397,5 @@ def test_bad_keep_alive() -> None:
     from barrel.actors.lifecycle import keep_alive_seconds
 
     for bad in ("soon", True, "5 minutes"):
-        with pytest.raises(ValueError, match="keep_alive|duration"):
+        with pytest.raises(ValueError, match=r"keep_alive|duration"):
             keep_alive_seconds(bad, "5m")
