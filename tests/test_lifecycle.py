@@ -399,3 +399,31 @@ def test_bad_keep_alive() -> None:
     for bad in ("soon", True, "5 minutes"):
         with pytest.raises(ValueError, match=r"keep_alive|duration"):
             keep_alive_seconds(bad, "5m")
+
+
+async def test_stored_model_parameters_set_context_sequences_and_queue(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    from barrel.actors import bridge
+    from barrel.actors.store_actor import StoreActor
+    from barrel.store.modelfile import parse
+
+    client, lc = await start(aiohttp_client, tmp_path, {})
+    imports = tmp_path / "cache" / "imports"
+    await asyncio.to_thread(imports.mkdir, parents=True, exist_ok=True)
+    await asyncio.to_thread(shutil.copy, tiny_path, imports / "tiny.gguf")
+    spec = parse(
+        "FROM ./tiny.gguf\nPARAMETER num_ctx 512\nPARAMETER num_seq_max 1\n"
+        "PARAMETER queue_depth 1\nPARAMETER weight_residency lazy\n"
+    )
+    store = client.server.app[RUNTIME].registry.get("store")
+    await bridge.call(store, StoreActor.create, "stored:v1", spec, None, timeout=60)
+    first = await lc.acquire("stored:v1")
+    assert first.engine.n_ctx == 512
+    assert first.spec.residency == "lazy"
+    waiting = asyncio.create_task(lc.acquire("stored:v1"))
+    await asyncio.sleep(0.2)
+    with pytest.raises(QueueFull):
+        await lc.acquire("stored:v1")  # one running, one waiting: full
+    await lc.release(first)
+    await lc.release(await waiting)

@@ -76,8 +76,13 @@ class Lifecycle:
         if rec.model_path is None:
             raise NotFound(f"model {name!r} has no weights")
         size = sum(la.size for la in rec.manifest.layers if la.mediaType.endswith(".model"))
+        params = dict(rec.parameters)
+        # weight_residency: the Modelfile's PARAMETER, else the manifest's field, else config
+        manifest_residency = rec.config.get("weight_residency")
+        if "weight_residency" not in params and manifest_residency:
+            params["weight_residency"] = manifest_residency
         return self._spec(
-            str(rec.name), rec.model_path, size, rec.meta, rec.parameters, rec.details(), rec.digest
+            str(rec.name), rec.model_path, size, rec.meta, params, rec.details(), rec.digest
         )
 
     async def _meta_of(self, path: Path) -> dict[str, Any]:
@@ -134,6 +139,8 @@ class Lifecycle:
             residency=str(
                 params.get("weight_residency", self.config.models.weight_residency_default)
             ),
+            queue_depth=int(params.get("queue_depth", d.queue_depth)),
+            queue_timeout=float(params.get("queue_timeout", d.queue_timeout_s)),
         )
 
     # -- a request's lease --------------------------------------------------------------
@@ -150,9 +157,8 @@ class Lifecycle:
         while the model loads (for SSE comments and pings)."""
         spec = await self.spec(model)
         name = spec.name
-        d = self.config.models.defaults
         admission = self.registry.get(ADMISSION)
-        limits = QueueLimits(spec.engine.n_seq_max, d.queue_depth)
+        limits = QueueLimits(spec.engine.n_seq_max, spec.queue_depth)
         await bridge.call(admission, Admission.configure, name, limits)
         loop = asyncio.get_running_loop()
         admitted = asyncio.Event()
@@ -169,10 +175,10 @@ class Lifecycle:
                 if on_queued is not None:
                     on_queued(position)
                 try:
-                    await asyncio.wait_for(admitted.wait(), d.queue_timeout_s)
+                    await asyncio.wait_for(admitted.wait(), spec.queue_timeout)
                 except TimeoutError:
                     raise Unavailable(
-                        f"waited {d.queue_timeout_s:.0f}s in the queue of {name}", retry_after=5.0
+                        f"waited {spec.queue_timeout:.0f}s in the queue of {name}", retry_after=5.0
                     ) from None
             await bridge.call(self.registry.get(KEEPALIVE), Keepalive.acquire, name)
         except BaseException:

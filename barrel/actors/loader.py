@@ -65,6 +65,8 @@ class ModelSpec:
     details: dict[str, Any] = field(default_factory=dict)
     digest: str = ""
     residency: str = "eager"
+    queue_depth: int = 16
+    queue_timeout: float = 300.0
 
 
 @dataclass

@@ -69,6 +69,8 @@ PARAMETERS: dict[str, Any] = {
     "kv_cache_type": str,
     "keep_alive": str,
     "weight_residency": str,
+    "queue_depth": int,  # requests that may wait for this model beyond num_seq_max
+    "queue_timeout": float,  # seconds a request may wait in this model's queue
 }
 
 
