@@ -246,6 +246,14 @@ async def test_ready_names_children_that_are_down(aiohttp_client: MakeClient) ->
     probe.fail_init["b"] = 10**6  # b will not come back
     runtime.registry.get("b").tell("crash")
     await asyncio.to_thread(probe.wait_for, lambda evs: ("init_failed", "b") in evs)
+
+    def failed_restart_recorded() -> bool:
+        return any("refuses" in e.reason for e in runtime.registry.entries() if e.name == "b")
+
+    for _ in range(200):  # the supervisor records the failed restart just after init fails
+        if failed_restart_recorded():
+            break
+        await asyncio.sleep(0.01)
     resp = await client.get("/health/ready")
     body = await resp.json()
     assert resp.status == 503
