@@ -28,10 +28,12 @@ def cfg(**sections: dict[str, Any]) -> Config:
     return msgspec.convert(sections, Config)
 
 
-def probe_tree(probe: Probe, *names: str) -> Callable[[SupervisorEnv], ChildSpec]:
+def probe_tree(
+    probe: Probe, *names: str, intensity: int = 10
+) -> Callable[[SupervisorEnv], ChildSpec]:
     def build(env: SupervisorEnv) -> ChildSpec:
         children = [ChildSpec(n, worker(probe)) for n in names]
-        return supervisor_spec("root", SupFlags(intensity=10, period=10), children, env)
+        return supervisor_spec("root", SupFlags(intensity=intensity, period=10), children, env)
 
     return build
 
@@ -239,28 +241,30 @@ async def test_ready_is_503_until_the_tree_is_up(aiohttp_client: MakeClient) -> 
 
 async def test_ready_names_children_that_are_down(aiohttp_client: MakeClient) -> None:
     probe = Probe()
-    app = make_app(Config(), tree=probe_tree(probe, "a", "b"))
+    # A restart that keeps failing is retried (by message) without end here: b stays down
+    # while root keeps answering between attempts.
+    app = make_app(Config(), tree=probe_tree(probe, "a", "b", intensity=10**9))
     client = await aiohttp_client(app)
     await booted(client)
     runtime = app[RUNTIME]
-    probe.fail_init["b"] = 10**6  # b will not come back
-    runtime.registry.get("b").tell("crash")
-    await asyncio.to_thread(probe.wait_for, lambda evs: ("init_failed", "b") in evs)
-
-    def failed_restart_recorded() -> bool:
-        return any("refuses" in e.reason for e in runtime.registry.entries() if e.name == "b")
-
-    for _ in range(200):  # the supervisor records the failed restart just after init fails
-        if failed_restart_recorded():
-            break
-        await asyncio.sleep(0.01)
-    resp = await client.get("/health/ready")
-    body = await resp.json()
-    assert resp.status == 503
-    assert body["status"] == "degraded"
-    assert [d["name"] for d in body["down"]] == ["b"]
-    assert body["down"][0]["state"] == "restarting"
-    assert "refuses to start" in body["down"][0]["reason"]
+    probe.fail_init["b"] = 10**9
+    try:
+        runtime.registry.get("b").tell("crash")
+        await asyncio.to_thread(probe.wait_for, lambda evs: ("init_failed", "b") in evs)
+        for _ in range(500):  # the supervisor records the failure just after init raises
+            if any("refuses" in e.reason for e in runtime.registry.entries() if e.name == "b"):
+                break
+            await asyncio.sleep(0.01)
+        resp = await client.get("/health/ready")
+        body = await resp.json()
+        assert resp.status == 503
+        assert body["status"] == "degraded"
+        assert [d["name"] for d in body["down"]] == ["b"]
+        assert body["down"][0]["state"] == "restarting"
+        assert "refuses to start" in body["down"][0]["reason"]
+    finally:
+        probe.fail_init["b"] = 0  # let it come back before teardown
+        await asyncio.to_thread(runtime.registry.wait_for, "b", timeout=5)
 
 
 async def test_slow_actor_does_not_block_health(aiohttp_client: MakeClient) -> None:
