@@ -53,5 +53,51 @@ def tiny_path() -> Path:
     return tiny_model()
 
 
+@pytest.fixture(scope="session")
+def llama_templates() -> Path:
+    """The chat templates shipped in llama-cpp-python's source distribution (the pinned
+    version), extracted once into the model cache."""
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    version = "0.3.36"
+    target = bundled.cache_dir() / f"llama-cpp-templates-{version}"
+    if target.is_dir() and any(target.glob("*.jinja")):
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={version}",
+                "-d",
+                tmp,
+            ],
+            check=True,
+            timeout=600,
+        )
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        staging = Path(tmp) / "templates"
+        staging.mkdir()
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                if "/vendor/llama.cpp/models/templates/" in member.name and member.name.endswith(
+                    ".jinja"
+                ):
+                    member.name = Path(member.name).name
+                    tar.extract(member, staging, filter="data")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.replace(target)
+    return target
+
+
 def pytest_report_header() -> str:
     return f"barrel model cache: {os.environ.get(bundled.CACHE_ENV) or bundled.cache_dir()}"
