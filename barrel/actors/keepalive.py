@@ -79,11 +79,7 @@ class Keepalive(Child):
         a.generation += 1
         if a.keep_alive == 0:
             return True
-        if a.keep_alive > 0:
-            a.expires_at = a.last_active + a.keep_alive
-            a.timer = self.timers.send_after(
-                a.keep_alive, self.actor_ref, _Expire(model, a.generation)
-            )
+        self._arm(model, a)
         return False
 
     def loaded(self, model: str, keep_alive: float | None) -> None:
@@ -91,9 +87,14 @@ class Keepalive(Child):
         a = self._models.setdefault(model, Activity(keep_alive=self.default))
         if keep_alive is not None:
             a.keep_alive = keep_alive
-        if a.active == 0 and a.timer is None and a.keep_alive > 0:
+        if a.active == 0 and a.timer is None:
             a.last_active = time.time()
             a.generation += 1
+            self._arm(model, a)
+
+    def _arm(self, model: str, a: Activity) -> None:
+        """Start the unload timer of an idle model (none for a negative keep_alive)."""
+        if a.keep_alive > 0:
             a.expires_at = a.last_active + a.keep_alive
             a.timer = self.timers.send_after(
                 a.keep_alive, self.actor_ref, _Expire(model, a.generation)
