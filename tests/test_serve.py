@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import ollama
 import pytest
 
 from tests.daemon import Daemon
@@ -141,6 +142,15 @@ def test_model_flag_registers_a_local_gguf(tmp_path: Path, tiny_path: Path) -> N
     try:
         d.wait_listening()
         d.wait_line(rf"registered model tiny -> {tiny_path}")
+        client = ollama.Client(host=d.url, timeout=30)
+        (listed,) = client.list().models
+        assert listed.model == "tiny"
+        assert listed.details.family == "qwen2"
+        assert listed.size == tiny_path.stat().st_size
+        info = client.show("tiny")
+        assert "<tool_call>" in info.template
+        assert "tools" in info.capabilities
+        assert f"FROM {tiny_path}" in info.modelfile
     finally:
         d.kill()
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 from barrel.actors.child import Child, Link
 from barrel.errors import NotFound
+from barrel.store.gguf_meta import read_gguf
 from barrel.store.local import LocalModel, check_gguf_file
+from barrel.store.store import config_for
 
 logger = logging.getLogger(__name__)
 
@@ -21,12 +24,21 @@ class Catalog(Child):
         super().__init__(link)
         self._paths = dict(local)
         self._models: dict[str, LocalModel] = {}
+        self._configs: dict[str, dict[str, Any]] = {}
 
     def init(self) -> None:
         # Re-checked on every (re)start: a file may have gone away since boot.
         for name, path in self._paths.items():
             self._models[name] = check_gguf_file(name, path)
             logger.info("registered model %s -> %s", name, self._models[name].path)
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """The model's config (as the store keeps for pulled models), read from the GGUF
+        header the first time it is asked for."""
+        model = self.lookup(name)
+        if name not in self._configs:
+            self._configs[name] = config_for(read_gguf(model.path))
+        return self._configs[name]
 
     def list_models(self) -> list[LocalModel]:
         return sorted(self._models.values(), key=lambda m: m.name)
