@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from barrel.pipeline.templates import ChatTemplate, TemplateError
+from barrel.pipeline.toolcalls import detect_family
 
 TOOLS = [
     {
@@ -41,7 +42,80 @@ CONVERSATION = [
     {"role": "assistant", "content": "It is 21 degrees in Paris."},
     {"role": "user", "content": "And tomorrow?"},
 ]
-TEMPLATE_DIR = Path("llama-cpp-templates")
+# The tool-call family each shipped template is detected as. "generic" means none of
+# the families the parser knows (bare JSON calls are still recognised).
+EXPECTED_FAMILIES = {
+    "Apertus-8B-Instruct.jinja": "generic",
+    "Apriel-1.6-15b-Thinker-fixed.jinja": "generic",
+    "Bielik-11B-v3.0-Instruct.jinja": "hermes",
+    "ByteDance-Seed-OSS.jinja": "qwen3-coder",
+    "Cohere2MoE.jinja": "generic",
+    "CohereForAI-c4ai-command-r-plus-tool_use.jinja": "generic",
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja": "generic",
+    "GLM-4.6.jinja": "glm45",
+    "GLM-4.7-Flash.jinja": "glm45",
+    "GigaChat3-10B-A1.8B.jinja": "generic",
+    "GigaChat3.1-10B-A1.8B.jinja": "generic",
+    "HuggingFaceTB-SmolLM3-3B.jinja": "generic",
+    "Kimi-K2-Instruct.jinja": "generic",
+    "Kimi-K2-Thinking.jinja": "generic",
+    "Kimi-K3.jinja": "generic",
+    "LFM2-8B-A1B.jinja": "generic",
+    "LFM2.5-8B-A1B.jinja": "generic",
+    "LFM2.5-Instruct.jinja": "generic",
+    "MiMo-VL.jinja": "hermes",
+    "MiniMax-M1.jinja": "generic",
+    "MiniMax-M2.jinja": "generic",
+    "MiniMax-M3.jinja": "hermes",
+    "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral-args",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja": "qwen3-coder",
+    "NVIDIA-Nemotron-Nano-v2.jinja": "generic",
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja": "hermes",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": "hermes",
+    "Qwen-QwQ-32B.jinja": "hermes",
+    "Qwen-Qwen2.5-7B-Instruct.jinja": "hermes",
+    "Qwen-Qwen3-0.6B.jinja": "hermes",
+    "Qwen3-Coder.jinja": "qwen3-coder",
+    "Qwen3.5-4B.jinja": "qwen3-coder",
+    "Reka-Edge.jinja": "hermes",
+    "Spark2.5.jinja": "glm45",
+    "StepFun3.5-Flash.jinja": "qwen3-coder",
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "dsml",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "dsml",
+    "deepseek-ai-DeepSeek-V3.1.jinja": "dsml",
+    "deepseek-ai-DeepSeek-V3.2.jinja": "generic",
+    "deepseek-ai-DeepSeek-V4-Flash-0731.jinja": "generic",
+    "deepseek-ai-DeepSeek-V4.jinja": "generic",
+    "fireworks-ai-llama-3-firefunction-v2.jinja": "firefunction",
+    "google-gemma-2-2b-it.jinja": "generic",
+    "google-gemma-4-31B-it-interleaved.jinja": "generic",
+    "google-gemma-4-31B-it.jinja": "generic",
+    "ibm-granite-granite-3.3-2B-Instruct.jinja": "generic",
+    "ibm-granite-granite-4.0.jinja": "hermes",
+    "ibm-granite-granite-4.1.jinja": "hermes",
+    "inclusionai-ling-3.0-flash.jinja": "glm45",
+    "llama-cpp-deepseek-r1.jinja": "dsml",
+    "llama-cpp-rwkv-world.jinja": "generic",
+    "meetkai-functionary-medium-v3.1.jinja": "llama-python-tag",
+    "meetkai-functionary-medium-v3.2.jinja": "generic",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": "llama-python-tag",
+    "meta-llama-Llama-3.2-3B-Instruct.jinja": "generic",
+    "meta-llama-Llama-3.3-70B-Instruct.jinja": "llama-python-tag",
+    "microsoft-Phi-3.5-mini-instruct.jinja": "generic",
+    "mistralai-Ministral-3-14B-Reasoning-2512.jinja": "mistral-args",
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral",
+    "moonshotai-Kimi-K2.jinja": "generic",
+    "muse-glimmer.jinja": "generic",
+    "openai-gpt-oss-120b.jinja": "harmony",
+    "openbmb-MiniCPM5-1B.jinja": "generic",
+    "poolside-Laguna-S-2.1.jinja": "glm45",
+    "poolside-Laguna-XS-2.1.jinja": "glm45",
+    "poolside-Laguna-XS.2.jinja": "glm45",
+    "tencent-Hy3.jinja": "generic",
+    "unsloth-Apriel-1.5.jinja": "hermes",
+    "unsloth-mistral-Devstral-Small-2507.jinja": "mistral-args",
+    "upstage-Solar-Open-100B.jinja": "generic",
+}
 
 
 def template_names(directory: Path) -> list[str]:
@@ -121,3 +195,20 @@ def test_helpers() -> None:
         "tojson keeps non-ASCII and does not HTML-escape"
     )
     assert bos == ""
+
+
+def test_every_shipped_template_has_its_family_detected(llama_templates: Path) -> None:
+    names = template_names(llama_templates)
+    detected = {n: detect_family((llama_templates / n).read_text()).name for n in names}
+    assert detected == EXPECTED_FAMILIES
+    assert {
+        "hermes",
+        "qwen3-coder",
+        "glm45",
+        "dsml",
+        "mistral",
+        "mistral-args",
+        "llama-python-tag",
+        "harmony",
+        "firefunction",
+    } <= set(detected.values())

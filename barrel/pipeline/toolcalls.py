@@ -1,0 +1,470 @@
+"""Tool calls and reasoning in generated text: one streaming parser driven by a table of
+model families.
+
+Each family says how its chat template can be recognised, which markers open (and close)
+a tool-call region, how the region's body is written, and how reasoning is marked. The
+parser streams plain text out as soon as it cannot be the start of a marker, hands
+reasoning out separately, and parses each tool-call region when it closes. Markers that
+are control tokens vanish when a model's output is detokenized without special tokens;
+every family also accepts its marker-stripped shape. Text that does not parse as a call
+comes back as content: output is never dropped.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import secrets
+import string
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as the OpenAI API carries it
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+ParseEvent = Text | Reasoning | ToolCall
+Call = tuple[str, Any]  # (name, arguments object)
+
+
+def new_call_id() -> str:
+    """Nine alphanumerics: the shape Mistral's templates insist on, accepted by all."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+# -- body parsers: captured region -> calls (ValueError if it is not one) ------------
+
+
+def _loads(text: str) -> Any:
+    text = text.strip()
+    fence = re.match(r"^```(?:json)?\s*(.*?)\s*```$", text, re.S)
+    if fence:
+        text = fence.group(1)
+    return json.loads(text)
+
+
+def _call_of(obj: Any) -> Call:
+    if not isinstance(obj, dict):
+        raise ValueError("a call is a JSON object")
+    inner = obj.get("function")
+    fn: dict[str, Any] = inner if isinstance(inner, dict) else obj
+    name = fn.get("name")
+    args = fn.get("arguments", fn.get("parameters", {}))
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    if not isinstance(name, str) or not isinstance(args, dict):
+        raise ValueError("a call needs a name and object arguments")
+    return name, args
+
+
+def parse_json(body: str) -> list[Call]:
+    """One JSON call object, or several separated by whitespace/newlines."""
+    body = body.strip()
+    decoder = json.JSONDecoder()
+    calls, pos = [], 0
+    fence = re.match(r"^```(?:json)?\s*(.*?)\s*```$", body, re.S)
+    if fence:
+        body = fence.group(1)
+    while pos < len(body):
+        value, end = decoder.raw_decode(body, pos)
+        if isinstance(value, list):
+            calls += [_call_of(v) for v in value]
+        else:
+            calls.append(_call_of(value))
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;,":
+            pos += 1
+    if not calls:
+        raise ValueError("no call")
+    return calls
+
+
+def _coerce(value: str) -> Any:
+    value = value.strip("\n")
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def parse_xml_function(body: str) -> list[Call]:
+    """qwen3-coder: <function=NAME><parameter=K>V</parameter>...</function>."""
+    calls = []
+    for m in re.finditer(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", body, re.S):
+        params = {
+            k.strip(): _coerce(v)
+            for k, v in re.findall(r"<parameter=([^>\n]+)>(.*?)</parameter>", m.group(2), re.S)
+        }
+        calls.append((m.group(1).strip(), params))
+    if not calls:
+        raise ValueError("no <function=...>")
+    return calls
+
+
+def parse_glm(body: str) -> list[Call]:
+    """glm45: NAME then <arg_key>K</arg_key><arg_value>V</arg_value> pairs."""
+    name = body.strip().partition("\n")[0]
+    name = re.split(r"<arg_key>", name)[0].strip()
+    if not name or not re.match(r"^[\w.\-]+$", name):
+        raise ValueError("no function name")
+    pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", body, re.S)
+    return [(name, {k.strip(): _coerce(v) for k, v in pairs})]
+
+
+def parse_name_args(body: str) -> list[Call]:
+    """mistral-args: NAME[ARGS]{json}, repeated (marker-stripped: NAME{json})."""
+    calls = []
+    decoder = json.JSONDecoder()
+    pos = 0
+    body = body.replace("[TOOL_CALLS]", "\n")
+    while True:
+        m = re.compile(r"\s*([\w.\-]+)\s*(?:\[ARGS\])?\s*").match(body, pos)
+        if m is None or m.end() >= len(body) or body[m.end()] != "{":
+            break
+        args, end = decoder.raw_decode(body, m.end())
+        if not isinstance(args, dict):
+            raise ValueError("arguments must be an object")
+        calls.append((m.group(1), args))
+        pos = end
+    if not calls or body[pos:].strip():
+        raise ValueError("not NAME[ARGS]{...}")
+    return calls
+
+
+def parse_pythonic(body: str) -> list[Call]:
+    """llama-pythonic: [f(a=1, b='x'), g()] with Python or JSON literals."""
+    text = body.strip().removesuffix("<|eot_id|>").strip()
+    text = re.sub(
+        r"\btrue\b", "True", re.sub(r"\bfalse\b", "False", re.sub(r"\bnull\b", "None", text))
+    )
+    tree = ast.parse(text, mode="eval").body
+    items = tree.elts if isinstance(tree, ast.List) else [tree]
+    calls = []
+    for item in items:
+        if not isinstance(item, ast.Call) or item.args:
+            raise ValueError("not a call with keyword arguments")
+        name = ast.unparse(item.func)
+        calls.append((name, {kw.arg: ast.literal_eval(kw.value) for kw in item.keywords if kw.arg}))
+    if not calls:
+        raise ValueError("no call")
+    return calls
+
+
+_DS = {
+    "begin": "<\uff5ctool\u2581call\u2581begin\uff5c>",
+    "sep": "<\uff5ctool\u2581sep\uff5c>",
+    "end": "<\uff5ctool\u2581call\u2581end\uff5c>",
+}
+
+
+def parse_dsml(body: str) -> list[Call]:
+    """DeepSeek: <|tool call begin|>function<|tool sep|>NAME, a ```json fence with the
+    arguments, <|tool call end|>; or marker-stripped: functionNAME then the fence."""
+    calls = []
+    text = body.replace(_DS["begin"], "\n").replace(_DS["end"], "\n").replace(_DS["sep"], "")
+    for m in re.finditer(r"\s*(?:function)?([\w.\-]+)\s*\n```(?:json)?\s*(.*?)\s*```", text, re.S):
+        args = json.loads(m.group(2))
+        if not isinstance(args, dict):
+            raise ValueError("arguments must be an object")
+        calls.append((m.group(1), args))
+    if not calls:
+        raise ValueError("no DeepSeek call")
+    return calls
+
+
+def parse_harmony(body: str) -> list[Call]:
+    """gpt-oss: [commentary ]to=functions.NAME [<|constrain|>json]<|message|>ARGS[<|call|>]."""
+    m = re.search(
+        r"to=functions\.([\w.\-]+).*?(?:<\|message\|>|\bjson\b)\s*(\{.*\})\s*(?:<\|call\|>)?\s*$",
+        body,
+        re.S,
+    )
+    if m is None:
+        raise ValueError("no harmony call")
+    args = json.loads(m.group(2))
+    if not isinstance(args, dict):
+        raise ValueError("arguments must be an object")
+    return [(m.group(1), args)]
+
+
+BODY_PARSERS: dict[str, Callable[[str], list[Call]]] = {
+    "json": parse_json,
+    "xml_function": parse_xml_function,
+    "glm": parse_glm,
+    "name_args": parse_name_args,
+    "pythonic": parse_pythonic,
+    "dsml": parse_dsml,
+    "harmony": parse_harmony,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    detect: tuple[str, ...]  # the chat template contains all of these
+    starts: tuple[str, ...]  # a tool-call region opens with one of these
+    end: str | None  # ... and closes with this (None: at the end of the output)
+    body: str  # key of BODY_PARSERS
+    stripped: tuple[str, ...] = ()  # how a region starts once control tokens vanished
+    reasoning: tuple[str, str] = ("<think>", "</think>")
+    excludes: tuple[str, ...] = field(default=())  # the template contains none of these
+    keep_start: bool = False  # the start marker is part of the body (pythonic, harmony)
+    noise: tuple[str, ...] = ()  # structural markers removed from content
+
+
+_DS_BEGIN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
+_DS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
+
+# First match wins: the more specific families come first.
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "harmony",
+        detect=("<|channel|>", "<|message|>"),
+        starts=("<|channel|>commentary to=functions.", "commentary to=functions.", "to=functions."),
+        end=None,
+        body="harmony",
+        reasoning=("<|channel|>analysis<|message|>", "<|end|>"),
+        keep_start=True,
+        noise=("<|start|>assistant", "<|channel|>final<|message|>", "<|end|>", "<|return|>"),
+    ),
+    Family(
+        "qwen3-coder",
+        detect=("<function=", "<parameter="),
+        starts=("<tool_call>", "<function="),
+        end="</tool_call>",
+        body="xml_function",
+        stripped=("<function=",),
+    ),
+    Family("glm45", ("<tool_call>", "<arg_key>"), ("<tool_call>",), "</tool_call>", "glm"),
+    Family("dsml", (_DS_BEGIN,), (_DS_BEGIN,), _DS_END, "dsml", stripped=("function",)),
+    Family("mistral-args", ("[TOOL_CALLS]", "[ARGS]"), ("[TOOL_CALLS]",), None, "name_args"),
+    Family("mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), None, "json", stripped=("[{",)),
+    Family(
+        "phi4-functools",
+        detect=("functools[", "<|tool|>"),
+        starts=("functools",),
+        end=None,
+        body="json",
+    ),
+    Family("firefunction", ("functools[",), ("functools",), None, "json"),
+    Family(
+        "llama-python-tag",
+        detect=("<|python_tag|>",),
+        starts=("<|python_tag|>",),
+        end=None,
+        body="json",
+        stripped=('{"name"', '{"type"'),
+    ),
+    Family(
+        "llama-pythonic",
+        detect=("<|eot_id|>", "[func_name1("),
+        starts=("[",),
+        end=None,
+        body="pythonic",
+        keep_start=True,
+    ),
+    Family(
+        "hermes",
+        detect=("<tool_call>",),
+        starts=("<tool_call>",),
+        end="</tool_call>",
+        body="json",
+        stripped=('{"name"',),
+    ),
+    Family("generic", (), (), None, "json", stripped=("{", "```")),
+)
+_BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def family(name: str) -> Family:
+    return _BY_NAME[name]
+
+
+def detect_family(template: str) -> Family:
+    for fam in FAMILIES:
+        if (
+            fam.detect
+            and all(d in template for d in fam.detect)
+            and not any(e in template for e in fam.excludes)
+        ):
+            return fam
+    return _BY_NAME["generic"]
+
+
+class ToolCallParser:
+    """Feed generated text in any chunks; get content, reasoning and tool calls out.
+
+    `tools` names the request's tools: a parsed call to another name is not a call, and
+    with no tools nothing is parsed as one (only reasoning is separated).
+    """
+
+    def __init__(self, fam: Family, tools: Iterable[str] = (), *, reasoning: bool = True) -> None:
+        self.family = fam
+        self.tools = set(tools)
+        self.reasoning = reasoning
+        self._buf = ""
+        self._state = "text"  # text | reasoning | call
+        self._started = False  # any non-space output seen
+        self._region = ""
+        self._after_reasoning = False
+
+    @property
+    def _markers(self) -> list[str]:
+        markers = []
+        if self.tools:
+            markers += list(self.family.starts)
+        if self.reasoning:
+            markers.append(self.family.reasoning[0])
+        return [m for m in markers if m]
+
+    def feed(self, chunk: str) -> list[ParseEvent]:
+        self._buf += chunk
+        return self._drain(final=False)
+
+    def finish(self) -> list[ParseEvent]:
+        out = self._drain(final=True)
+        if not self._started and self._buf.strip():
+            # Held from the start as a possible marker-stripped call.
+            calls = self._parse(self._buf) or self._parse_with("json", self._buf)
+            if calls is not None:
+                self._buf = ""
+                return out + [_event(c) for c in calls]
+            self._started = True
+            out += self._drain(final=True)
+        if self._state == "call":
+            out += self._close_region(self._region + self._buf, final=True)
+        elif self._state == "reasoning" and self._buf:
+            out.append(Reasoning(self._buf))
+        elif self._buf:
+            out.append(Text(self._buf))
+        self._buf = self._region = ""
+        return [e for e in out if not isinstance(e, Text) or e.text]
+
+    def _drain(self, final: bool) -> list[ParseEvent]:
+        out: list[ParseEvent] = []
+        while self._buf:
+            if self._state == "reasoning":
+                end = self.family.reasoning[1]
+                at = self._buf.find(end)
+                if at < 0:
+                    keep = _partial_suffix(self._buf, [end])
+                    if len(self._buf) > keep:
+                        out.append(Reasoning(self._buf[: len(self._buf) - keep]))
+                        self._buf = self._buf[len(self._buf) - keep :]
+                    return out
+                if at:
+                    out.append(Reasoning(self._buf[:at]))
+                self._buf = self._buf[at + len(end) :]
+                self._state = "text"
+                self._after_reasoning = True
+                continue
+            if self._state == "call":
+                self._region += self._buf
+                self._buf = ""
+                call_end = self.family.end
+                at = self._region.find(call_end) if call_end else -1
+                if at < 0 or call_end is None:
+                    return out
+                region, self._buf = self._region[:at], self._region[at + len(call_end) :]
+                self._region = ""
+                self._state = "text"
+                out += self._close_region(region, final=False)
+                continue
+            if self._after_reasoning:  # the newlines that follow a reasoning block
+                self._buf = self._buf.lstrip("\n")
+                if not self._buf:
+                    return out
+                self._after_reasoning = False
+            # text: a stripped call shape at the very start is held to the end
+            if not self._started:
+                stripped = self._buf.lstrip()
+                if not stripped:
+                    return out
+                if self.tools and any(
+                    stripped.startswith(s) or s.startswith(stripped) for s in self.family.stripped
+                ):
+                    return out  # a marker-stripped call? undecided until the output ends
+                self._started = True
+            found = _earliest(self._buf, self._markers + list(self.family.noise))
+            if found is None:
+                held = list(self.family.noise) + self._markers
+                keep = 0 if final else _partial_suffix(self._buf, held)
+                if len(self._buf) > keep:
+                    out.append(Text(self._buf[: len(self._buf) - keep]))
+                    self._buf = self._buf[len(self._buf) - keep :]
+                return out
+            at, marker = found
+            if at:
+                out.append(Text(self._buf[:at]))
+            if marker in self.family.noise and marker not in self._markers:
+                self._buf = self._buf[at + len(marker) :]
+                continue
+            self._buf = self._buf[at + len(marker) :]
+            if self.reasoning and marker == self.family.reasoning[0]:
+                self._state = "reasoning"
+            else:
+                self._state = "call"
+                self._region = marker if self.family.keep_start else ""
+        return out
+
+    def _close_region(self, region: str, final: bool) -> list[ParseEvent]:
+        calls = self._parse(region)
+        if calls is None:
+            marker = (
+                "" if self.family.keep_start or not self.family.starts else self.family.starts[0]
+            )
+            return [Text(marker + region + (self.family.end or "") * (not final))]
+        return [_event(c) for c in calls]
+
+    def _parse(self, region: str) -> list[Call] | None:
+        return self._parse_with(self.family.body, region)
+
+    def _parse_with(self, body: str, region: str) -> list[Call] | None:
+        try:
+            calls = BODY_PARSERS[body](region)
+        except (ValueError, SyntaxError, KeyError, TypeError):
+            return None
+        if self.tools and any(name not in self.tools for name, _ in calls):
+            return None
+        return calls
+
+
+def _event(call: Call) -> ToolCall:
+    name, args = call
+    return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
+
+
+def _earliest(text: str, markers: list[str]) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for m in markers:
+        at = text.find(m)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, m)
+    return best
+
+
+def _partial_suffix(text: str, markers: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a marker."""
+    keep = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), keep, -1):
+            if text.endswith(m[:k]):
+                keep = k
+                break
+    return keep

@@ -1,0 +1,209 @@
+"""The tool-call and reasoning parser: every family, canonical and marker-stripped,
+fed whole and one character at a time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from barrel.pipeline.toolcalls import (
+    Reasoning,
+    Text,
+    ToolCall,
+    ToolCallParser,
+    family,
+)
+
+TOOLS = ["get_weather", "get_time"]
+PARIS = {"city": "Paris"}
+TOKYO = {"city": "Tokyo", "days": 2}
+DS_BEGIN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
+DS_CALL = "<\uff5ctool\u2581call\u2581begin\uff5c>"
+DS_SEP = "<\uff5ctool\u2581sep\uff5c>"
+DS_CALL_END = "<\uff5ctool\u2581call\u2581end\uff5c>"
+DS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
+
+# (family, output, expected content, expected calls)
+CASES = [
+    (
+        "hermes",
+        "Let me check.<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "Let me check.",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "hermes",
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {"city": "Tokyo", "days": 2}}</tool_call>',
+        "\n",
+        [("get_weather", PARIS), ("get_time", TOKYO)],
+    ),
+    (
+        "qwen3-coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>",
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "qwen3-coder",
+        "<function=get_time>\n<parameter=city>\nTokyo\n</parameter>\n<parameter=days>\n2\n"
+        "</parameter>\n</function>",
+        "",
+        [("get_time", TOKYO)],
+    ),
+    (
+        "glm45",
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "mistral",
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "mistral-args",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]'
+        '{"city": "Tokyo", "days": 2}',
+        "",
+        [("get_weather", PARIS), ("get_time", TOKYO)],
+    ),
+    (
+        "phi4-functools",
+        'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "llama-python-tag",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "llama-python-tag",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "llama-pythonic",
+        "[get_weather(city='Paris'), get_time(city=\"Tokyo\", days=2)]",
+        "",
+        [("get_weather", PARIS), ("get_time", TOKYO)],
+    ),
+    (
+        "dsml",
+        f'{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Paris"}}\n```'
+        f"{DS_CALL_END}{DS_END}",
+        "",
+        [("get_weather", PARIS)],
+    ),
+    ("dsml", 'functionget_weather\n```json\n{"city": "Paris"}\n```', "", [("get_weather", PARIS)]),
+    (
+        "harmony",
+        "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>"
+        'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "harmony",
+        'commentary to=functions.get_weather json{"city": "Paris"}',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "generic",
+        '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
+        "generic",
+        '{"function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}',
+        "",
+        [("get_weather", PARIS)],
+    ),
+]
+
+
+def run(
+    fam: str, chunks: list[str], tools: list[str] = TOOLS
+) -> tuple[str, str, list[tuple[str, dict]]]:
+    parser = ToolCallParser(family(fam), tools)
+    events = []
+    for chunk in chunks:
+        events += parser.feed(chunk)
+    events += parser.finish()
+    text = "".join(e.text for e in events if isinstance(e, Text))
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
+    calls = [(e.name, json.loads(e.arguments)) for e in events if isinstance(e, ToolCall)]
+    assert all(len(e.id) == 9 and e.id.isalnum() for e in events if isinstance(e, ToolCall))
+    return text, reasoning, calls
+
+
+@pytest.mark.parametrize(("fam", "output", "content", "calls"), CASES)
+def test_families_whole_and_one_character_at_a_time(
+    fam: str, output: str, content: str, calls: list[tuple[str, dict]]
+) -> None:
+    for chunks in ([output], list(output)):
+        text, _, got = run(fam, chunks)
+        assert got == calls, (fam, chunks[:3])
+        assert text == content
+
+
+@pytest.mark.parametrize("fam", ["hermes", "qwen3-coder", "generic", "dsml"])
+def test_reasoning_is_separated(fam: str) -> None:
+    output = "<think>Weather needs a tool.</think>\nSure, checking."
+    for chunks in ([output], list(output)):
+        text, reasoning, calls = run(fam, chunks)
+        assert reasoning == "Weather needs a tool."
+        assert text == "Sure, checking."
+        assert calls == []
+
+
+def test_text_that_is_not_a_call_stays_content() -> None:
+    for fam, output in [
+        ("hermes", "<tool_call>not json at all</tool_call> after"),
+        ("hermes", '{"name": "rm_rf", "arguments": {}}'),  # not one of the request's tools
+        ("hermes", "{ this is prose in braces }"),
+        ("mistral", "[TOOL_CALLS] broken"),
+        ("llama-pythonic", "[1, 2, 3] are numbers"),
+    ]:
+        for chunks in ([output], list(output)):
+            text, _, calls = run(fam, chunks)
+            assert calls == []
+            assert text.replace("\n", "") == output.replace("\n", ""), (fam, text)
+
+
+def test_no_tools_means_no_calls() -> None:
+    text, _, calls = run(
+        "hermes", ['<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'], []
+    )
+    assert calls == []
+    assert "get_weather" in text
+
+
+def test_plain_text_streams_before_the_end() -> None:
+    parser = ToolCallParser(family("hermes"), TOOLS)
+    assert parser.feed("Hello there, ") == [Text("Hello there, ")]
+    assert parser.feed("this is <tool") == [Text("this is ")], "a marker prefix is held"
+    assert parser.feed("bar> ok") == [Text("<toolbar> ok")]
