@@ -58,6 +58,18 @@ class Metrics:
         )
 
         self.engine = _EngineFamilies(self.registry)
+        self.template_render = Histogram(
+            "barrel_pipeline_template_render_seconds",
+            "Chat template rendering time",
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
+        )
+        self.output_parse = Histogram(
+            "barrel_pipeline_output_parse_seconds",
+            "Tool-call and reasoning parsing time per response",
+            registry=self.registry,
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+        )
 
     def watch_residency(self, resident: Callable[[], dict[str, int]]) -> None:
         """barrel_inference_resident_bytes{model}, computed with mincore on each scrape."""
@@ -66,6 +78,11 @@ class Metrics:
     def engine_observer(self, model: str) -> EngineMetrics:
         """The observer an engine reports to, labelled with `model`."""
         return EngineMetrics(self.engine, model)
+
+    def pipeline_timings(self, render_s: float, parse_s: float) -> None:
+        """The chat pipeline's `timings` callback."""
+        self.template_render.observe(render_s)
+        self.output_parse.observe(parse_s)
 
     # SupervisorObserver
     def child_restarted(self, child_id: str) -> None:

@@ -1,0 +1,305 @@
+"""The chat pipeline: a neutral chat request in, neutral events out, over one engine.
+
+    request -> render the chat template (tools, template keywords) -> tokens
+            -> sampling with the grammar tool_choice / response_format ask for
+            -> engine stream -> tool-call and reasoning parser -> events
+
+The three API dialects decode their requests into `ChatRequest` and encode the events
+this yields; none of them touches templates, grammars or the parser.
+
+tool_choice: "auto" prompts the model with the tools and parses what it writes (the
+family's own syntax); "none" renders no tools; "required" and a named function force a
+schema-valid call with a GBNF grammar, written as a bare JSON call object. With
+`parallel_tool_calls = false` at most one call is kept.
+
+Thinking with a schema: the reasoning is generated first, free, up to "</think>" (or
+`reasoning_budget` tokens, after which the block is closed for the model); then the answer
+is generated under the grammar, continuing the same sequence (its KV is reused). Two
+steps instead of llama.cpp's lazy grammar: a lazy grammar whose trigger text the grammar
+cannot accept aborts the process, and a model can write anything after "</think>".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from barrel.engine.engine import Engine
+from barrel.engine.kvcache import common_prefix
+from barrel.engine.types import Done, GenerationRequest, SamplingParams, SessionId, Usage
+from barrel.errors import InvalidRequest
+from barrel.pipeline.grammar import json_schema_grammar
+from barrel.pipeline.templates import ChatTemplate
+from barrel.pipeline.toolcalls import Family, Reasoning, Text, ToolCall, ToolCallParser, family
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None  # {"type": "json_object"|"json_schema", ...}
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    thinking: bool | None = None  # None: the template's default
+    reasoning_budget: int = 512
+    session: SessionId | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallEvent:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # stop | length | tool_calls | cancelled
+    usage: Usage
+
+
+ChatEvent = TextDelta | ReasoningDelta | ToolCallEvent | Finished
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt: list[int]
+    sampling: SamplingParams
+    family: Family
+    forced_call: bool  # the grammar writes one bare JSON call object
+    schema: dict[str, Any] | None  # the answer's JSON schema (response_format)
+    tool_names: tuple[str, ...]
+    render_s: float
+    static_prefix: int = 0  # leading prompt tokens shared by every request with these tools
+
+
+def _tool_names(tools: list[dict[str, Any]]) -> list[str]:
+    return [str(t.get("function", t).get("name", "")) for t in tools]
+
+
+def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool.get("function", tool)
+    params = fn.get("parameters") or {"type": "object"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _forced_schema(req: ChatRequest) -> dict[str, Any] | None:
+    choice = req.tool_choice
+    if not req.tools or choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        options = [_call_schema(t) for t in req.tools]
+        return options[0] if len(options) == 1 else {"anyOf": options}
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") or choice.get("name")
+        tool = next((t for t in req.tools if t.get("function", t).get("name") == name), None)
+        if tool is None:
+            raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools")
+        return _call_schema(tool)
+    raise InvalidRequest(f"tool_choice must be auto, none, required or a function, not {choice!r}")
+
+
+def _answer_schema(req: ChatRequest) -> dict[str, Any] | None:
+    fmt = req.response_format
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "object"}
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema") or {}
+        schema = spec.get("schema", spec)
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format.json_schema.schema must be an object")
+        return schema
+    raise InvalidRequest(f"unknown response_format type {fmt.get('type')!r}")
+
+
+def prepare(
+    req: ChatRequest,
+    template: ChatTemplate,
+    tokenize: Callable[[str], list[int]],
+    template_family: Family,
+) -> Prepared:
+    """Everything that can fail on bad input happens here, before any slow work."""
+    forced = _forced_schema(req)
+    schema = _answer_schema(req)
+    if forced is not None and schema is not None:
+        raise InvalidRequest("a forced tool call and a response_format cannot be combined")
+    tools = [] if req.tool_choice == "none" else req.tools
+    kwargs = dict(req.template_kwargs)
+    if req.thinking is not None:
+        kwargs.setdefault("enable_thinking", req.thinking)
+    start = time.perf_counter()
+    prompt_text = template.render(req.messages, tools or None, add_generation_prompt=True, **kwargs)
+    render_s = time.perf_counter() - start
+    sampling = req.sampling
+    grammar_schema = forced if forced is not None else schema
+    if grammar_schema is not None and not req.thinking:
+        try:
+            grammar = json_schema_grammar(grammar_schema)
+        except Exception as exc:  # noqa: BLE001 - the converter raises many kinds on bad schemas
+            raise InvalidRequest(
+                f"the JSON schema cannot be turned into a grammar: {exc}"
+            ) from None
+        sampling = msgspec.structs.replace(sampling, grammar=grammar)
+    prompt = tokenize(prompt_text)
+    return Prepared(
+        prompt=prompt,
+        static_prefix=_static_prefix(req, template, tokenize, tools, kwargs, prompt),
+        sampling=sampling,
+        family=template_family if tools else family("generic"),
+        forced_call=forced is not None,
+        schema=grammar_schema,
+        tool_names=tuple(_tool_names(tools)),
+        render_s=render_s,
+    )
+
+
+MIN_PIN = 64  # a static prefix shorter than this is not worth a pinned sequence
+
+
+def _static_prefix(
+    req: ChatRequest,
+    template: ChatTemplate,
+    tokenize: Callable[[str], list[int]],
+    tools: list[dict[str, Any]],
+    kwargs: dict[str, Any],
+    prompt: list[int],
+) -> int:
+    """The system + tools head every conversation with these tools starts with: the
+    common token prefix of a render with the system messages only and the full one."""
+    head = [m for m in req.messages if m.get("role") in ("system", "developer")]
+    if not tools and not head:
+        return 0
+    try:
+        text = template.render(head, tools or None, add_generation_prompt=False, **kwargs)
+    except InvalidRequest:
+        return 0  # templates that insist on a user turn have no separable head
+    return common_prefix(tokenize(text), prompt)
+
+
+async def run(
+    engine: Engine,
+    req: ChatRequest,
+    prep: Prepared,
+    timings: Callable[[float, float], None] | None = None,
+) -> AsyncIterator[ChatEvent]:
+    """Generate and parse: text, reasoning and tool calls as they come, then Finished.
+    `timings(render_seconds, parse_seconds)` is called at the end (for metrics)."""
+    if prep.static_prefix >= MIN_PIN:
+        await engine.pin(prep.prompt[: prep.static_prefix])
+    prompt = list(prep.prompt)
+    reused = computed = completion = 0
+    reasoning_done = False
+    if req.thinking and prep.schema is not None:
+        # Step 1: free reasoning, then close the block ourselves if the budget ran out.
+        first = GenerationRequest(
+            prompt,
+            msgspec.structs.replace(prep.sampling, grammar=None),
+            max_tokens=req.reasoning_budget,
+            stop=("</think>",),
+            session=req.session,
+        )
+        deltas, thought = await engine.submit(first).collect()
+        text = "".join(d.text for d in deltas)
+        reasoning = text.removeprefix("<think>").strip("\n")
+        if reasoning:
+            yield ReasoningDelta(reasoning)
+        reused, computed, completion = _add(thought.usage, 0, 0, 0)
+        # Continue the same sequence: prompt, the reasoning, and the block closed.
+        prompt = [*prompt, *engine.tokenize(text + "</think>\n\n", add_special=False)]
+        reasoning_done = True
+        grammar = json_schema_grammar(prep.schema)
+        sampling = msgspec.structs.replace(prep.sampling, grammar=grammar)
+    else:
+        sampling = prep.sampling
+    parser = ToolCallParser(
+        prep.family if not prep.forced_call else family("generic"),
+        prep.tool_names,
+        reasoning=not reasoning_done,
+    )
+    gen = GenerationRequest(
+        prompt, sampling, max_tokens=req.max_tokens, stop=req.stop, session=req.session
+    )
+    stream = engine.submit(gen)
+    calls = 0
+    parse_s = 0.0
+    done: Done | None = None
+    async with stream:
+        async for event in stream:
+            if isinstance(event, Done):
+                done = event
+                break
+            start = time.perf_counter()
+            parsed_events = parser.feed(event.text)
+            parse_s += time.perf_counter() - start
+            for parsed in parsed_events:
+                out = _convert(parsed, req, calls)
+                if out is not None:
+                    calls += isinstance(out, ToolCallEvent)
+                    yield out
+    start = time.perf_counter()
+    tail = parser.finish()
+    parse_s += time.perf_counter() - start
+    if timings is not None:
+        timings(prep.render_s, parse_s)
+    for parsed in tail:
+        out = _convert(parsed, req, calls)
+        if out is not None:
+            calls += isinstance(out, ToolCallEvent)
+            yield out
+    assert done is not None
+    r, c, g = _add(done.usage, reused, computed, completion)
+    usage = Usage(
+        prompt_tokens=len(prep.prompt),
+        completion_tokens=g,
+        prompt_reused=r,
+        prompt_computed=c,
+        reuse_note=done.usage.reuse_note,
+    )
+    reason = "tool_calls" if calls else done.finish_reason.value
+    yield Finished(reason, usage)
+
+
+def _add(u: Usage, reused: int, computed: int, completion: int) -> tuple[int, int, int]:
+    return reused + u.prompt_reused, computed + u.prompt_computed, completion + u.completion_tokens
+
+
+def _convert(parsed: Any, req: ChatRequest, calls: int) -> ChatEvent | None:
+    if isinstance(parsed, Text):
+        return TextDelta(parsed.text)
+    if isinstance(parsed, Reasoning):
+        return ReasoningDelta(parsed.text)
+    if isinstance(parsed, ToolCall):
+        if calls and not req.parallel_tool_calls:
+            return None  # one call per turn was asked for
+        return ToolCallEvent(parsed.id, parsed.name, parsed.arguments)
+    return None
+
+
+def schema_of_call(event: ToolCallEvent) -> dict[str, Any]:
+    return {"name": event.name, "arguments": json.loads(event.arguments)}

@@ -1,0 +1,241 @@
+"""The chat pipeline end to end on real llama.cpp: forced tool calls, structured output
+with reasoning, and the real model choosing a tool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from barrel.engine.context import EngineOptions
+from barrel.engine.engine import Engine
+from barrel.engine.model import LlamaModel
+from barrel.engine.types import SamplingParams
+from barrel.errors import InvalidRequest
+from barrel.pipeline.chat import (
+    ChatRequest,
+    Finished,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallEvent,
+    prepare,
+    run,
+)
+from barrel.pipeline.templates import ChatTemplate
+from barrel.pipeline.toolcalls import detect_family
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 10}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class Setup:
+    def __init__(self, model: LlamaModel, engine: Engine) -> None:
+        self.model = model
+        self.engine = engine
+        source = model.meta("tokenizer.chat_template") or ""
+        self.template = ChatTemplate(source)
+        self.family = detect_family(source)
+
+    async def chat(self, req: ChatRequest) -> list[Any]:
+        prep = prepare(req, self.template, lambda t: self.model.tokenize(t), self.family)
+        return [event async for event in run(self.engine, req, prep)]
+
+
+async def _setup(path: Path, n_ctx: int = 2048) -> AsyncIterator[Setup]:
+    model = LlamaModel.load(path)
+    engine = Engine(model, EngineOptions(n_ctx=n_ctx, n_seq_max=4)).start()
+    yield Setup(model, engine)
+    await asyncio.to_thread(engine.stop)
+    model.free()
+
+
+@pytest.fixture
+async def tiny(tiny_path: Path) -> AsyncIterator[Setup]:
+    async for s in _setup(tiny_path):
+        yield s
+
+
+def user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_required_tool_choice_gives_schema_valid_calls_for_20_seeds(tiny: Setup) -> None:
+    async def one(seed: int) -> list[Any]:
+        req = ChatRequest(
+            user("Weather?"),
+            tools=[WEATHER],
+            tool_choice="required",
+            sampling=SamplingParams(temperature=1.0, seed=seed),
+            max_tokens=200,
+        )
+        return await tiny.chat(req)
+
+    results = await asyncio.gather(*(one(seed) for seed in range(20)))
+    for events in results:
+        calls = [e for e in events if isinstance(e, ToolCallEvent)]
+        assert len(calls) == 1, events
+        assert calls[0].name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+        assert isinstance(events[-1], Finished)
+        assert events[-1].reason == "tool_calls"
+    assert len({e[0].arguments for e in results if isinstance(e[0], ToolCallEvent)}) > 1
+
+
+async def test_a_named_tool_is_the_one_called(tiny: Setup) -> None:
+    req = ChatRequest(
+        user("Time?"),
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        sampling=SamplingParams(temperature=1.0, seed=3),
+        max_tokens=200,
+    )
+    calls = [e for e in await tiny.chat(req) if isinstance(e, ToolCallEvent)]
+    assert [c.name for c in calls] == ["get_time"]
+    jsonschema.validate(json.loads(calls[0].arguments), TIME["function"]["parameters"])
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 16}, "score": {"type": "integer"}},
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+
+
+async def test_structured_output_with_thinking(tiny: Setup) -> None:
+    req = ChatRequest(
+        user("Rate this."),
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+        thinking=True,
+        reasoning_budget=16,
+        sampling=SamplingParams(temperature=0.8, seed=11),
+        max_tokens=200,
+    )
+    events = await tiny.chat(req)
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    content = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert reasoning, "the reasoning arrives separately"
+    assert "</think>" not in content
+    jsonschema.validate(json.loads(content), SCHEMA)
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    assert finished.usage.completion_tokens > 16
+    assert finished.usage.prompt_reused > 0, "the answer continued the reasoning's sequence"
+
+
+async def test_structured_output_without_thinking(tiny: Setup) -> None:
+    req = ChatRequest(
+        user("Rate this."),
+        response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+        sampling=SamplingParams(temperature=0.8, seed=5),
+        max_tokens=200,
+    )
+    events = await tiny.chat(req)
+    content = "".join(e.text for e in events if isinstance(e, TextDelta))
+    jsonschema.validate(json.loads(content), SCHEMA)
+
+
+def test_bad_requests_are_refused_before_generation(tiny_path: Path) -> None:
+    template = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    fam = detect_family("")
+    for req, message in [
+        (
+            ChatRequest(user("x"), tools=[WEATHER], tool_choice={"function": {"name": "nope"}}),
+            "not among",
+        ),
+        (ChatRequest(user("x"), tools=[WEATHER], tool_choice="sometimes"), "tool_choice"),
+        (
+            ChatRequest(
+                user("x"),
+                tools=[WEATHER],
+                tool_choice="required",
+                response_format={"type": "json_object"},
+            ),
+            "cannot be combined",
+        ),
+        (ChatRequest(user("x"), response_format={"type": "yaml"}), "unknown response_format"),
+    ]:
+        with pytest.raises(InvalidRequest, match=message):
+            prepare(req, template, lambda t: [1], fam)
+
+
+@pytest.fixture
+async def qwen(qwen_path: Path) -> AsyncIterator[Setup]:
+    async for s in _setup(qwen_path, 4096):
+        yield s
+
+
+@pytest.mark.real_model
+async def test_qwen_calls_the_weather_tool_for_paris(qwen: Setup) -> None:
+    assert qwen.family.name == "hermes"
+    tool = json.loads(json.dumps(WEATHER))
+    tool["function"]["parameters"]["required"] = ["city"]
+    req = ChatRequest(
+        user("What is the weather in Paris?"),
+        tools=[tool],
+        sampling=SamplingParams(temperature=0.0),
+        max_tokens=96,
+    )
+    events = await qwen.chat(req)
+    calls = [e for e in events if isinstance(e, ToolCallEvent)]
+    assert calls, events
+    assert calls[0].name == "get_weather"
+    assert json.loads(calls[0].arguments)["city"] == "Paris"
+    assert events[-1].reason == "tool_calls"
+
+
+async def test_the_system_and_tools_head_is_pinned_and_timed(tiny: Setup) -> None:
+    from barrel.metrics import Metrics
+
+    metrics = Metrics()
+    system = {"role": "system", "content": "You are a meticulous weather assistant. " * 8}
+    prompts = []
+    for question in ("Weather in Oslo?", "Weather in Lima?"):
+        req = ChatRequest([system, *user(question)], tools=[WEATHER], max_tokens=4)
+        prep = prepare(req, tiny.template, tiny.model.tokenize, tiny.family)
+        assert prep.static_prefix >= 64
+        assert (
+            prep.prompt[: prep.static_prefix]
+            == tiny.model.tokenize(
+                tiny.template.render([system], [WEATHER], add_generation_prompt=False)
+            )[: prep.static_prefix]
+        )
+        events = [e async for e in run(tiny.engine, req, prep, metrics.pipeline_timings)]
+        prompts.append(events[-1].usage)
+    # The head is held in a pinned sequence, and the second conversation reuses it.
+    assert tiny.engine.kv.pins[0].tokens == prep.prompt[: prep.static_prefix]
+    assert prompts[1].prompt_reused >= prep.static_prefix
+    count = metrics.registry.get_sample_value("barrel_pipeline_template_render_seconds_count")
+    assert count == 2
+    assert metrics.registry.get_sample_value("barrel_pipeline_output_parse_seconds_count") == 2
