@@ -185,6 +185,12 @@ def test_bad_requests_are_refused_before_generation(tiny_path: Path) -> None:
             "cannot be combined",
         ),
         (ChatRequest(user("x"), response_format={"type": "yaml"}), "unknown response_format"),
+        (
+            ChatRequest(
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+            ),
+            "text only",
+        ),
     ]:
         with pytest.raises(InvalidRequest, match=message):
             prepare(req, template, lambda t: [1], fam)
@@ -239,3 +245,22 @@ async def test_the_system_and_tools_head_is_pinned_and_timed(tiny: Setup) -> Non
     count = metrics.registry.get_sample_value("barrel_pipeline_template_render_seconds_count")
     assert count == 2
     assert metrics.registry.get_sample_value("barrel_pipeline_output_parse_seconds_count") == 2
+
+
+async def test_tool_mode_grammar_forces_calls_even_on_auto(tiny: Setup) -> None:
+    req = ChatRequest(
+        user("Hello"),
+        tools=[WEATHER],
+        tool_mode="grammar",
+        sampling=SamplingParams(temperature=1.0, seed=2),
+        max_tokens=200,
+    )
+    calls = [e for e in await tiny.chat(req) if isinstance(e, ToolCallEvent)]
+    assert [c.name for c in calls] == ["get_weather"]
+
+
+def test_go_templates_from_modelfiles_are_converted() -> None:
+    from barrel.pipeline.chat import make_template
+
+    template = make_template("{{ .System }}|{{ .Prompt }}|{{ .Response }}")
+    assert template.render(user("hi")) == "|hi|"

@@ -27,6 +27,12 @@ DS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
 # (family, output, expected content, expected calls)
 CASES = [
     (
+        "mistral-args",
+        'get_weather{"city": "Paris"}get_time{"city": "Tokyo", "days": 2}',
+        "",
+        [("get_weather", PARIS), ("get_time", TOKYO)],
+    ),
+    (
         "hermes",
         "Let me check.<tool_call>\n"
         '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',

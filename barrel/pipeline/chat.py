@@ -33,6 +33,7 @@ from barrel.engine.engine import Engine
 from barrel.engine.kvcache import common_prefix
 from barrel.engine.types import Done, GenerationRequest, SamplingParams, SessionId, Usage
 from barrel.errors import InvalidRequest
+from barrel.pipeline.gotemplate import go_to_jinja, is_go_template
 from barrel.pipeline.grammar import json_schema_grammar
 from barrel.pipeline.templates import ChatTemplate
 from barrel.pipeline.toolcalls import Family, Reasoning, Text, ToolCall, ToolCallParser, family
@@ -51,6 +52,8 @@ class ChatRequest:
     thinking: bool | None = None  # None: the template's default
     reasoning_budget: int = 512
     session: SessionId | None = None
+    keep_alive: float | None = None  # for the lifecycle: seconds, 0 = unload, <0 = forever
+    tool_mode: str = "auto"  # "grammar": the model's calls are always grammar-forced
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -109,6 +112,8 @@ def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
 
 def _forced_schema(req: ChatRequest) -> dict[str, Any] | None:
     choice = req.tool_choice
+    if req.tool_mode == "grammar" and choice == "auto":
+        choice = "required"
     if not req.tools or choice in ("auto", "none"):
         return None
     if choice == "required":
@@ -145,6 +150,7 @@ def prepare(
     template_family: Family,
 ) -> Prepared:
     """Everything that can fail on bad input happens here, before any slow work."""
+    _refuse_images(req.messages)
     forced = _forced_schema(req)
     schema = _answer_schema(req)
     if forced is not None and schema is not None:
@@ -177,6 +183,26 @@ def prepare(
         tool_names=tuple(_tool_names(tools)),
         render_s=render_s,
     )
+
+
+def _refuse_images(messages: list[dict[str, Any]]) -> None:
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") in ("image_url", "image", "input_image")
+            for p in content
+        ):
+            raise InvalidRequest("this model reads text only; images are not supported")
+        if m.get("images"):
+            raise InvalidRequest("this model reads text only; images are not supported")
+
+
+def make_template(source: str, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
+    """The model's chat template: a Modelfile TEMPLATE (Go, converted when simple) or the
+    GGUF's Jinja2 template."""
+    if is_go_template(source):
+        source = go_to_jinja(source)
+    return ChatTemplate(source, bos_token, eos_token)
 
 
 MIN_PIN = 64  # a static prefix shorter than this is not worth a pinned sequence

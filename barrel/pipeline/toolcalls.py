@@ -225,6 +225,7 @@ class Family:
     reasoning: tuple[str, str] = ("<think>", "</think>")
     excludes: tuple[str, ...] = field(default=())  # the template contains none of these
     keep_start: bool = False  # the start marker is part of the body (pythonic, harmony)
+    stripped_names: bool = False  # a marker-stripped call starts with a tool's name
     noise: tuple[str, ...] = ()  # structural markers removed from content
 
 
@@ -253,7 +254,14 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("glm45", ("<tool_call>", "<arg_key>"), ("<tool_call>",), "</tool_call>", "glm"),
     Family("dsml", (_DS_BEGIN,), (_DS_BEGIN,), _DS_END, "dsml", stripped=("function",)),
-    Family("mistral-args", ("[TOOL_CALLS]", "[ARGS]"), ("[TOOL_CALLS]",), None, "name_args"),
+    Family(
+        "mistral-args",
+        detect=("[TOOL_CALLS]", "[ARGS]"),
+        starts=("[TOOL_CALLS]",),
+        end=None,
+        body="name_args",
+        stripped_names=True,
+    ),
     Family("mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), None, "json", stripped=("[{",)),
     Family(
         "phi4-functools",
@@ -396,8 +404,11 @@ class ToolCallParser:
                 stripped = self._buf.lstrip()
                 if not stripped:
                     return out
+                shapes = list(self.family.stripped)
+                if self.family.stripped_names:
+                    shapes += list(self.tools)
                 if self.tools and any(
-                    stripped.startswith(s) or s.startswith(stripped) for s in self.family.stripped
+                    stripped.startswith(s) or s.startswith(stripped) for s in shapes
                 ):
                     return out  # a marker-stripped call? undecided until the output ends
                 self._started = True
