@@ -68,7 +68,13 @@ class Setup:
         self.family = detect_family(source)
 
     async def chat(self, req: ChatRequest) -> list[Any]:
-        prep = prepare(req, self.template, lambda t: self.model.tokenize(t), self.family)
+        prep = prepare(
+            req,
+            self.template,
+            lambda t: self.model.tokenize(t),
+            self.family,
+            self.model.control_tokens,
+        )
         return [event async for event in run(self.engine, req, prep)]
 
 
@@ -264,3 +270,24 @@ def test_go_templates_from_modelfiles_are_converted() -> None:
 
     template = make_template("{{ .System }}|{{ .Prompt }}|{{ .Response }}")
     assert template.render(user("hi")) == "|hi|"
+
+
+def test_the_family_markers_that_are_control_tokens_are_preserved(tiny: Setup) -> None:
+    harmony_like = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    from barrel.pipeline.toolcalls import family
+
+    req = ChatRequest(user("x"), tools=[WEATHER])
+    prep = prepare(
+        req, harmony_like, tiny.model.tokenize, family("hermes"), tiny.model.control_tokens
+    )
+    assert prep.preserve == frozenset(), "Qwen's <tool_call> is ordinary text already"
+    prep = prepare(
+        req, harmony_like, tiny.model.tokenize, family("harmony"), tiny.model.control_tokens
+    )
+    assert prep.preserve == frozenset(), "Qwen's vocabulary has no harmony tokens"
+    im = family("hermes").__class__(
+        "im", detect=(), starts=("<|im_start|>",), end="<|im_end|>", body="json"
+    )
+    prep = prepare(req, harmony_like, tiny.model.tokenize, im, tiny.model.control_tokens)
+    expected = {tiny.model.token_id("<|im_start|>"), tiny.model.token_id("<|im_end|>")}
+    assert prep.preserve == expected

@@ -529,3 +529,19 @@ async def test_lora_adapter_changes_the_output(model: LlamaModel, tmp_path: Path
     plain, adapted, zero_scale = outputs
     assert adapted != plain
     assert zero_scale == plain
+
+
+async def test_preserved_control_tokens_are_rendered(engine: Engine, model: LlamaModel) -> None:
+    im_start = model.token_id("<|im_start|>")
+    assert im_start is not None
+    assert model.control_tokens("x<|im_start|>y<tool_call>") == {im_start}
+    forced = SamplingParams(temperature=0.0, logit_bias={im_start: 100.0})
+    plain, _, _ = await generate(engine, req(model, "Hi", sampling=forced, max_tokens=3))
+    shown, _, _ = await generate(
+        engine,
+        GenerationRequest(
+            model.tokenize("Hi"), forced, max_tokens=3, preserve=frozenset({im_start})
+        ),
+    )
+    assert plain == ""
+    assert shown == "<|im_start|>" * 3

@@ -26,6 +26,7 @@ DS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
 
 # (family, output, expected content, expected calls)
 CASES = [
+    ("glm45", "get_weather\ncity\nParis\n", "", [("get_weather", PARIS)]),
     (
         "mistral-args",
         'get_weather{"city": "Paris"}get_time{"city": "Tokyo", "days": 2}',

@@ -166,6 +166,15 @@ class LlamaModel:
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self.vocab, token))
 
+    def control_tokens(self, text: str) -> set[int]:
+        """The control tokens inside `text` (those left out of output unless rendered
+        with special=True)."""
+        return {
+            t
+            for t in self.tokenize(text, add_special=False, parse_special=True)
+            if not self.piece(t) and self.piece(t, special=True)
+        }
+
     def token_id(self, text: str) -> int | None:
         """The id of a token whose text is exactly `text` (special tokens included)."""
         ids = self.tokenize(text, add_special=False, parse_special=True)

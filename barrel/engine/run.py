@@ -62,7 +62,7 @@ class Run:
         if model.is_eog(token) and not self.req.ignore_eos:
             self.out.append(Delta("", (token,), lps))
             return True, None
-        text = self._utf8.feed(model.piece(token))
+        text = self._utf8.feed(model.piece(token, special=token in self.req.preserve))
         stop = None
         if self._stops is not None:
             text, stop = self._stops.feed(text)

@@ -61,6 +61,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     session: SessionId | None = None
     ignore_eos: bool = False
+    # Control tokens rendered as text (tool-call and reasoning markers the parser needs);
+    # every other control token is left out of the output.
+    preserve: frozenset[int] = frozenset()
 
 
 class FinishReason(StrEnum):

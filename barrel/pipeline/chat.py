@@ -92,7 +92,10 @@ class Prepared:
     schema: dict[str, Any] | None  # the answer's JSON schema (response_format)
     tool_names: tuple[str, ...]
     render_s: float
-    static_prefix: int = 0  # leading prompt tokens shared by every request with these tools
+    # leading prompt tokens shared by every request with these tools
+    static_prefix: int = 0
+    # control tokens the parser must see in the output
+    preserve: frozenset[int] = frozenset()
 
 
 def _tool_names(tools: list[dict[str, Any]]) -> list[str]:
@@ -148,6 +151,7 @@ def prepare(
     template: ChatTemplate,
     tokenize: Callable[[str], list[int]],
     template_family: Family,
+    control_tokens: Callable[[str], set[int]] | None = None,
 ) -> Prepared:
     """Everything that can fail on bad input happens here, before any slow work."""
     _refuse_images(req.messages)
@@ -173,11 +177,17 @@ def prepare(
             ) from None
         sampling = msgspec.structs.replace(sampling, grammar=grammar)
     prompt = tokenize(prompt_text)
+    fam = template_family if tools else family("generic")
+    preserve: set[int] = set()
+    if control_tokens is not None:
+        for marker in fam.markers:
+            preserve |= control_tokens(marker)
     return Prepared(
+        preserve=frozenset(preserve),
         prompt=prompt,
         static_prefix=_static_prefix(req, template, tokenize, tools, kwargs, prompt),
         sampling=sampling,
-        family=template_family if tools else family("generic"),
+        family=fam,
         forced_call=forced is not None,
         schema=grammar_schema,
         tool_names=tuple(_tool_names(tools)),
@@ -249,6 +259,7 @@ async def run(
             max_tokens=req.reasoning_budget,
             stop=("</think>",),
             session=req.session,
+            preserve=prep.preserve,
         )
         deltas, thought = await engine.submit(first).collect()
         text = "".join(d.text for d in deltas)
@@ -269,7 +280,12 @@ async def run(
         reasoning=not reasoning_done,
     )
     gen = GenerationRequest(
-        prompt, sampling, max_tokens=req.max_tokens, stop=req.stop, session=req.session
+        prompt,
+        sampling,
+        max_tokens=req.max_tokens,
+        stop=req.stop,
+        session=req.session,
+        preserve=prep.preserve,
     )
     stream = engine.submit(gen)
     calls = 0

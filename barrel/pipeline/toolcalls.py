@@ -118,12 +118,18 @@ def parse_xml_function(body: str) -> list[Call]:
 
 
 def parse_glm(body: str) -> list[Call]:
-    """glm45: NAME then <arg_key>K</arg_key><arg_value>V</arg_value> pairs."""
+    """glm45: NAME then <arg_key>K</arg_key><arg_value>V</arg_value> pairs; with the
+    markers stripped, NAME then alternating key and value lines."""
     name = body.strip().partition("\n")[0]
     name = re.split(r"<arg_key>", name)[0].strip()
     if not name or not re.match(r"^[\w.\-]+$", name):
         raise ValueError("no function name")
     pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", body, re.S)
+    if not pairs and "<arg_key>" not in body:
+        lines = [ln for ln in body.strip().split("\n")[1:] if ln.strip()]
+        if len(lines) % 2:
+            raise ValueError("keys and values do not pair up")
+        pairs = list(zip(lines[::2], lines[1::2], strict=True))
     return [(name, {k.strip(): _coerce(v) for k, v in pairs})]
 
 
@@ -228,6 +234,14 @@ class Family:
     stripped_names: bool = False  # a marker-stripped call starts with a tool's name
     noise: tuple[str, ...] = ()  # structural markers removed from content
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Every marker string the parser reads: their control tokens must be kept."""
+        harmony = ("<|channel|>", "<|message|>", "<|constrain|>", "<|call|>")
+        extra = harmony if self.body == "harmony" else ()
+        end = (self.end,) if self.end else ()
+        return (*self.starts, *end, *self.reasoning, *self.noise, *extra)
+
 
 _DS_BEGIN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
 _DS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
@@ -252,7 +266,14 @@ FAMILIES: tuple[Family, ...] = (
         body="xml_function",
         stripped=("<function=",),
     ),
-    Family("glm45", ("<tool_call>", "<arg_key>"), ("<tool_call>",), "</tool_call>", "glm"),
+    Family(
+        "glm45",
+        detect=("<tool_call>", "<arg_key>"),
+        starts=("<tool_call>",),
+        end="</tool_call>",
+        body="glm",
+        stripped_names=True,
+    ),
     Family("dsml", (_DS_BEGIN,), (_DS_BEGIN,), _DS_END, "dsml", stripped=("function",)),
     Family(
         "mistral-args",
