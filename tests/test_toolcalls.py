@@ -26,6 +26,12 @@ DS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
 
 # (family, output, expected content, expected calls)
 CASES = [
+    (
+        "firefunction",
+        ' functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        " ",
+        [("get_weather", PARIS)],
+    ),
     ("glm45", "get_weather\ncity\nParis\n", "", [("get_weather", PARIS)]),
     (
         "mistral-args",
