@@ -27,6 +27,12 @@ DS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
 # (family, output, expected content, expected calls)
 CASES = [
     (
+        "hermes",
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    (
         "firefunction",
         ' functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
         " ",

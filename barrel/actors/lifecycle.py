@@ -16,6 +16,7 @@ unloaded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,8 +82,15 @@ class Lifecycle:
         manifest_residency = rec.config.get("weight_residency")
         if "weight_residency" not in params and manifest_residency:
             params["weight_residency"] = manifest_residency
-        return self._spec(
+        spec = self._spec(
             str(rec.name), rec.model_path, size, rec.meta, params, rec.details(), rec.digest
+        )
+        return dataclasses.replace(
+            spec,
+            template=rec.template,
+            system=rec.system,
+            messages=tuple(rec.messages),
+            parameters=dict(rec.parameters),
         )
 
     async def _meta_of(self, path: Path) -> dict[str, Any]:
@@ -156,6 +164,15 @@ class Lifecycle:
         hears each new queue position; `on_loading(seconds)` every `LOAD_PROGRESS_S`
         while the model loads (for SSE comments and pings)."""
         spec = await self.spec(model)
+        return await self._acquire_spec(spec, keep_alive, on_queued, on_loading)
+
+    async def _acquire_spec(
+        self,
+        spec: ModelSpec,
+        keep_alive: float | None,
+        on_queued: Callable[[int], None] | None,
+        on_loading: Callable[[float], None] | None,
+    ) -> Lease:
         name = spec.name
         admission = self.registry.get(ADMISSION)
         limits = QueueLimits(spec.engine.n_seq_max, spec.queue_depth)
@@ -238,6 +255,16 @@ class Lifecycle:
                 on_loading(loop.time() - start)
 
     # -- management ---------------------------------------------------------------------
+
+    async def embedder(self, model: str, keep_alive: float | None = None) -> Lease:
+        """A lease on the model opened for embeddings (a second context, `<name>#embed`)."""
+        spec = await self.spec(model)
+        embed_spec = dataclasses.replace(
+            spec,
+            name=f"{spec.name}#embed",
+            engine=dataclasses.replace(spec.engine, embedding=True, max_pins=0),
+        )
+        return await self._acquire_spec(embed_spec, keep_alive, None, None)
 
     async def preload(self, model: str, keep_alive: float | None = None) -> ModelSpec:
         """Load without a request (Ollama's empty prompt); the keep-alive timer starts."""

@@ -67,6 +67,12 @@ class ModelSpec:
     residency: str = "eager"
     queue_depth: int = 16
     queue_timeout: float = 300.0
+    # What the chat pipeline needs from the model's Modelfile: a TEMPLATE override, a
+    # SYSTEM prompt, MESSAGEs to prepend, and stored PARAMETERs (request options win).
+    template: str | None = None
+    system: str | None = None
+    messages: tuple[dict[str, Any], ...] = ()
+    parameters: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

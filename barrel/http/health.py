@@ -21,7 +21,8 @@ routes = web.RouteTableDef()
 
 @routes.get("/")
 async def root(_request: web.Request) -> web.Response:
-    return web.Response(text="Barrel is running")
+    """What Ollama answers, for tools that probe for an Ollama server."""
+    return web.Response(text="Ollama is running", headers={"Server": f"barrel/{__version__}"})
 
 
 @routes.get("/health")

@@ -78,6 +78,8 @@ class ToolCallEvent:
 class Finished:
     reason: str  # stop | length | tool_calls | cancelled
     usage: Usage
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 ChatEvent = TextDelta | ReasoningDelta | ToolCallEvent | Finished
@@ -324,7 +326,7 @@ async def run(
         reuse_note=done.usage.reuse_note,
     )
     reason = "tool_calls" if calls else done.finish_reason.value
-    yield Finished(reason, usage)
+    yield Finished(reason, usage, done.timings.prefill_s, done.timings.decode_s)
 
 
 def _add(u: Usage, reused: int, computed: int, completion: int) -> tuple[int, int, int]:

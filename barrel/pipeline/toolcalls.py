@@ -283,7 +283,7 @@ FAMILIES: tuple[Family, ...] = (
         body="name_args",
         stripped_names=True,
     ),
-    Family("mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), None, "json", stripped=("[{",)),
+    Family("mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), None, "json", stripped=("[{", "```")),
     Family(
         "phi4-functools",
         detect=("functools[", "<|tool|>"),
@@ -298,7 +298,7 @@ FAMILIES: tuple[Family, ...] = (
         starts=("<|python_tag|>",),
         end=None,
         body="json",
-        stripped=('{"name"', '{"type"'),
+        stripped=('{"name"', '{"type"', "```"),
     ),
     Family(
         "llama-pythonic",
@@ -314,7 +314,7 @@ FAMILIES: tuple[Family, ...] = (
         starts=("<tool_call>",),
         end="</tool_call>",
         body="json",
-        stripped=('{"name"',),
+        stripped=('{"name"', "```"),
     ),
     Family("generic", (), (), None, "json", stripped=("{", "```")),
 )
