@@ -209,3 +209,21 @@ def test_errors_and_probes(client: ollama.Client, daemon: Daemon) -> None:
         assert resp.status == 200
     assert client.show("qwen").capabilities
     assert "tools" in client.show("qwen").capabilities
+
+
+def test_logprobs_when_asked(client: ollama.Client) -> None:
+    r = client.generate(
+        model="qwen",
+        prompt="What is the capital of France? One word.",
+        options={"temperature": 0, "num_predict": 6},
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert r.logprobs
+    assert "".join(lp.token for lp in r.logprobs).startswith(r.response[:3])
+    for lp in r.logprobs:
+        assert lp.logprob <= 0
+        assert len(lp.top_logprobs) == 2
+        assert lp.top_logprobs[0].token == lp.token, "greedy takes the most likely token"
+    plain = client.generate(model="qwen", prompt="Hi", options={"num_predict": 2})
+    assert not plain.logprobs

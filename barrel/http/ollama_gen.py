@@ -21,7 +21,7 @@ from aiohttp import web
 
 from barrel.actors.lifecycle import Lease, keep_alive_seconds
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import SamplingParams
+from barrel.engine.types import SamplingParams, TokenLogprob
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.keys import CONFIG, LIFECYCLE, METRICS
 from barrel.pipeline.chat import (
@@ -63,6 +63,8 @@ class _Body(msgspec.Struct, kw_only=True):
     stream: bool = True
     format: str | dict[str, Any] | None = None
     think: bool | str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 class ChatBody(_Body, kw_only=True):
@@ -294,6 +296,10 @@ async def _generate(
     try:
         spec = lease.spec
         sampling, max_tokens, stop = sampling_from(body.options, spec.parameters)
+        if body.logprobs:
+            if not 0 <= body.top_logprobs <= 20:
+                raise InvalidRequest("top_logprobs must be between 0 and 20")
+            sampling = msgspec.structs.replace(sampling, logprobs=body.top_logprobs)
         if spec.system and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": spec.system}, *messages]
         messages = [*spec.messages, *messages]
@@ -379,6 +385,17 @@ def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
+def _logprobs(lps: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": lp.text,
+            "logprob": lp.logprob,
+            "top_logprobs": [{"token": t.text, "logprob": t.logprob} for t in lp.top],
+        }
+        for lp in lps
+    ]
+
+
 def _chunk(
     name: str, chat: bool, content: str = "", thinking: str = "", calls: list[Any] | None = None
 ) -> dict[str, Any]:
@@ -403,8 +420,11 @@ async def _stream(
     resp: web.StreamResponse, events: AsyncIterator[Any], name: str, chat: bool
 ) -> dict[str, Any]:
     async for event in events:
-        if isinstance(event, TextDelta) and event.text:
-            await resp.write(_line(_chunk(name, chat, content=event.text)))
+        if isinstance(event, TextDelta) and (event.text or event.logprobs):
+            chunk = _chunk(name, chat, content=event.text)
+            if event.logprobs:
+                chunk["logprobs"] = _logprobs(event.logprobs)
+            await resp.write(_line(chunk))
         elif isinstance(event, ReasoningDelta) and event.text:
             await resp.write(_line(_chunk(name, chat, thinking=event.text)))
         elif isinstance(event, ToolCallEvent):
@@ -419,16 +439,23 @@ async def _stream(
 
 
 async def _collect(events: AsyncIterator[Any], name: str, chat: bool) -> dict[str, Any]:
-    text, thinking, calls = [], [], []
+    text: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    lps: list[TokenLogprob] = []
     async for event in events:
         if isinstance(event, TextDelta):
             text.append(event.text)
+            lps.extend(event.logprobs)
         elif isinstance(event, ReasoningDelta):
             thinking.append(event.text)
         elif isinstance(event, ToolCallEvent):
             calls.append(_call(event))
         elif isinstance(event, Finished):
             final = _chunk(name, chat, "".join(text), "".join(thinking), calls)
+            lps.extend(event.logprobs)
+            if lps:
+                final["logprobs"] = _logprobs(tuple(lps))
             final["done"] = True
             final["done_reason"] = "stop" if event.reason == "tool_calls" else event.reason
             final["_finished"] = event

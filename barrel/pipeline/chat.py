@@ -31,7 +31,14 @@ import msgspec
 
 from barrel.engine.engine import Engine
 from barrel.engine.kvcache import common_prefix
-from barrel.engine.types import Done, GenerationRequest, SamplingParams, SessionId, Usage
+from barrel.engine.types import (
+    Done,
+    GenerationRequest,
+    SamplingParams,
+    SessionId,
+    TokenLogprob,
+    Usage,
+)
 from barrel.errors import InvalidRequest
 from barrel.pipeline.gotemplate import go_to_jinja, is_go_template
 from barrel.pipeline.grammar import json_schema_grammar
@@ -60,6 +67,8 @@ class ChatRequest:
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    # log-probabilities of the tokens generated since the previous event (when asked)
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class Finished:
     usage: Usage
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    logprobs: tuple[TokenLogprob, ...] = ()  # those not yet attached to a TextDelta
 
 
 ChatEvent = TextDelta | ReasoningDelta | ToolCallEvent | Finished
@@ -293,16 +303,21 @@ async def run(
     calls = 0
     parse_s = 0.0
     done: Done | None = None
+    pending: list[TokenLogprob] = []
     async with stream:
         async for event in stream:
             if isinstance(event, Done):
                 done = event
                 break
+            pending.extend(event.logprobs)
             start = time.perf_counter()
             parsed_events = parser.feed(event.text)
             parse_s += time.perf_counter() - start
             for parsed in parsed_events:
                 out = _convert(parsed, req, calls)
+                if isinstance(out, TextDelta) and pending:
+                    out = TextDelta(out.text, tuple(pending))
+                    pending.clear()
                 if out is not None:
                     calls += isinstance(out, ToolCallEvent)
                     yield out
@@ -313,6 +328,9 @@ async def run(
         timings(prep.render_s, parse_s)
     for parsed in tail:
         out = _convert(parsed, req, calls)
+        if isinstance(out, TextDelta) and pending:
+            out = TextDelta(out.text, tuple(pending))
+            pending.clear()
         if out is not None:
             calls += isinstance(out, ToolCallEvent)
             yield out
@@ -326,7 +344,7 @@ async def run(
         reuse_note=done.usage.reuse_note,
     )
     reason = "tool_calls" if calls else done.finish_reason.value
-    yield Finished(reason, usage, done.timings.prefill_s, done.timings.decode_s)
+    yield Finished(reason, usage, done.timings.prefill_s, done.timings.decode_s, tuple(pending))
 
 
 def _add(u: Usage, reused: int, computed: int, completion: int) -> tuple[int, int, int]:
