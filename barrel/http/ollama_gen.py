@@ -201,7 +201,7 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e9):09d}Z"
 
 
-async def _template_of(request: web.Request, lease: Lease) -> ChatTemplate:
+async def template_of(request: web.Request, lease: Lease) -> ChatTemplate:
     cache: dict[tuple[str, str], ChatTemplate] = request.app[TEMPLATES]
     key = (lease.spec.name, lease.spec.digest)
     if key not in cache:
@@ -319,7 +319,7 @@ async def _generate(
         if prompt_override is not None:
             template = ChatTemplate("{{ messages[-1].content }}")
         else:
-            template = await _template_of(request, lease)
+            template = await template_of(request, lease)
         fam = detect_family(template.source)
         prep = await asyncio.to_thread(
             prepare, req, template, lambda t: model.tokenize(t), fam, model.control_tokens

@@ -89,6 +89,7 @@ class Finished:
     usage: Usage
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    stop_sequence: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # those not yet attached to a TextDelta
 
 
@@ -106,6 +107,7 @@ class Prepared:
     render_s: float
     # leading prompt tokens shared by every request with these tools
     static_prefix: int = 0
+    thinking_template: bool = False  # the template knows <think> blocks
     # control tokens the parser must see in the output
     preserve: frozenset[int] = frozenset()
 
@@ -195,6 +197,7 @@ def prepare(
         for marker in fam.markers:
             preserve |= control_tokens(marker)
     return Prepared(
+        thinking_template="<think>" in template.source,
         preserve=frozenset(preserve),
         prompt=prompt,
         static_prefix=_static_prefix(req, template, tokenize, tools, kwargs, prompt),
@@ -263,8 +266,12 @@ async def run(
     prompt = list(prep.prompt)
     reused = computed = completion = 0
     reasoning_done = False
-    if req.thinking and prep.schema is not None:
-        # Step 1: free reasoning, then close the block ourselves if the budget ran out.
+    if req.thinking and (prep.schema is not None or prep.thinking_template):
+        # Step 1: free reasoning, streamed as it comes, up to "</think>" or the budget;
+        # the block is then closed for the model and the answer continues the sequence.
+        opened = engine.tokenize("<think>\n", add_special=False)
+        if prompt[-len(opened) :] != opened:
+            prompt = [*prompt, *opened]
         first = GenerationRequest(
             prompt,
             msgspec.structs.replace(prep.sampling, grammar=None),
@@ -273,17 +280,25 @@ async def run(
             session=req.session,
             preserve=prep.preserve,
         )
-        deltas, thought = await engine.submit(first).collect()
-        text = "".join(d.text for d in deltas)
-        reasoning = text.removeprefix("<think>").strip("\n")
-        if reasoning:
-            yield ReasoningDelta(reasoning)
+        text = ""
+        thought: Done | None = None
+        async with engine.submit(first) as thinking_stream:
+            async for event in thinking_stream:
+                if isinstance(event, Done):
+                    thought = event
+                    break
+                text += event.text
+                if event.text and text.strip():
+                    yield ReasoningDelta(
+                        event.text if text != event.text else event.text.lstrip("\n")
+                    )
+        assert thought is not None
         reused, computed, completion = _add(thought.usage, 0, 0, 0)
-        # Continue the same sequence: prompt, the reasoning, and the block closed.
         prompt = [*prompt, *engine.tokenize(text + "</think>\n\n", add_special=False)]
         reasoning_done = True
-        grammar = json_schema_grammar(prep.schema)
-        sampling = msgspec.structs.replace(prep.sampling, grammar=grammar)
+        sampling = prep.sampling
+        if prep.schema is not None:
+            sampling = msgspec.structs.replace(sampling, grammar=json_schema_grammar(prep.schema))
     else:
         sampling = prep.sampling
     parser = ToolCallParser(
@@ -344,7 +359,14 @@ async def run(
         reuse_note=done.usage.reuse_note,
     )
     reason = "tool_calls" if calls else done.finish_reason.value
-    yield Finished(reason, usage, done.timings.prefill_s, done.timings.decode_s, tuple(pending))
+    yield Finished(
+        reason,
+        usage,
+        done.timings.prefill_s,
+        done.timings.decode_s,
+        done.stop_sequence,
+        tuple(pending),
+    )
 
 
 def _add(u: Usage, reused: int, computed: int, completion: int) -> tuple[int, int, int]:
