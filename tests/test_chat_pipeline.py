@@ -291,3 +291,22 @@ def test_the_family_markers_that_are_control_tokens_are_preserved(tiny: Setup) -
     prep = prepare(req, harmony_like, tiny.model.tokenize, im, tiny.model.control_tokens)
     expected = {tiny.model.token_id("<|im_start|>"), tiny.model.token_id("<|im_end|>")}
     assert prep.preserve == expected
+
+
+async def test_a_cache_breakpoint_pins_up_to_its_message(tiny: Setup) -> None:
+    document = {"role": "user", "content": "Here is a long report about the weather. " * 12}
+    reply = {"role": "assistant", "content": "Noted."}
+    messages = [document, reply, *user("Summarise it.")]
+    plain = prepare(
+        ChatRequest(messages, max_tokens=2), tiny.template, tiny.model.tokenize, tiny.family
+    )
+    req = ChatRequest(messages, max_tokens=2, pin_messages=2)
+    prep = prepare(req, tiny.template, tiny.model.tokenize, tiny.family)
+    assert plain.static_prefix == 0  # no system, no tools: nothing to pin by default
+    marked = tiny.model.tokenize(
+        tiny.template.render([document, reply], None, add_generation_prompt=False)
+    )
+    assert prep.static_prefix >= len(marked) - 2
+    events = [e async for e in run(tiny.engine, req, prep)]
+    assert isinstance(events[-1], Finished)
+    assert any(p.tokens == prep.prompt[: prep.static_prefix] for p in tiny.engine.kv.pins)

@@ -5,6 +5,8 @@ OpenAI-shaped messages); its events encode as Anthropic's content blocks, or as 
 named SSE events of a stream. `input_tokens` counts the whole prompt (so it equals
 count_tokens); `cache_read_input_tokens` is the part taken from the KV cache and
 `cache_creation_input_tokens` the part prefilled and kept for the next turn.
+cache_control breakpoints are pinned-prefix hints: the prompt up to the last marked
+message is held in a pinned sequence (without one, the system + tools head is).
 """
 
 from __future__ import annotations
@@ -167,8 +169,17 @@ def _assistant_turn(content: Any) -> dict[str, Any]:
     return msg
 
 
-def to_messages(body: MessagesBody) -> list[dict[str, Any]]:
+def _cached(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(b, dict) and b.get("cache_control") for b in content
+    )
+
+
+def to_messages(body: MessagesBody) -> tuple[list[dict[str, Any]], int]:
+    """The pipeline's messages, and how many of them end at the last cache_control
+    breakpoint (0 when there is none among the messages)."""
     out: list[dict[str, Any]] = []
+    pin = 0
     if body.system:
         out.append({"role": "system", "content": _text_of(body.system, "system")})
     for m in body.messages:
@@ -181,7 +192,9 @@ def to_messages(body: MessagesBody) -> list[dict[str, Any]]:
             out.append({"role": "system", "content": _text_of(m.get("content", ""), "system")})
         else:
             raise InvalidRequest("messages: each role must be user or assistant")
-    return out
+        if _cached(m.get("content")):
+            pin = len(out)
+    return out, pin
 
 
 def to_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -238,9 +251,11 @@ def _thinking(value: dict[str, Any] | None, max_tokens: int | None) -> tuple[boo
 
 def chat_request(body: MessagesBody, lease: Lease, request: web.Request) -> ChatRequest:
     spec = lease.spec
-    messages = to_messages(body)
+    messages, pin = to_messages(body)
+    before = len(spec.messages)
     if spec.system and not any(m["role"] == "system" for m in messages):
         messages = [{"role": "system", "content": spec.system}, *messages]
+        before += 1
     messages = [*spec.messages, *messages]
     sampling, _, stop = sampling_from({}, spec.parameters)
     overrides: dict[str, Any] = {}
@@ -272,6 +287,8 @@ def chat_request(body: MessagesBody, lease: Lease, request: web.Request) -> Chat
     )
     if budget:
         req.reasoning_budget = budget
+    if pin:  # a cache_control breakpoint inside the conversation: pin up to it
+        req.pin_messages = before + pin
     return req
 
 

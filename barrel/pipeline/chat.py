@@ -62,6 +62,9 @@ class ChatRequest:
     keep_alive: float | None = None  # for the lifecycle: seconds, 0 = unload, <0 = forever
     tool_mode: str = "auto"  # "grammar": the model's calls are always grammar-forced
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # pin the prompt up to the end of this many leading messages (a cache breakpoint);
+    # 0: the system + tools head
+    pin_messages: int = 0
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,10 @@ def _static_prefix(
 ) -> int:
     """The system + tools head every conversation with these tools starts with: the
     common token prefix of a render with the system messages only and the full one."""
-    head = [m for m in req.messages if m.get("role") in ("system", "developer")]
+    if req.pin_messages:
+        head = req.messages[: req.pin_messages]
+    else:
+        head = [m for m in req.messages if m.get("role") in ("system", "developer")]
     if not tools and not head:
         return 0
     try:
