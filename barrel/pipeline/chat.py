@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -334,27 +334,17 @@ async def run(
             start = time.perf_counter()
             parsed_events = parser.feed(event.text)
             parse_s += time.perf_counter() - start
-            for parsed in parsed_events:
-                out = _convert(parsed, req, calls)
-                if isinstance(out, TextDelta) and pending:
-                    out = TextDelta(out.text, tuple(pending))
-                    pending.clear()
-                if out is not None:
-                    calls += isinstance(out, ToolCallEvent)
-                    yield out
+            for out in _events(parsed_events, req, calls, pending):
+                calls += isinstance(out, ToolCallEvent)
+                yield out
     start = time.perf_counter()
     tail = parser.finish()
     parse_s += time.perf_counter() - start
     if timings is not None:
         timings(prep.render_s, parse_s)
-    for parsed in tail:
-        out = _convert(parsed, req, calls)
-        if isinstance(out, TextDelta) and pending:
-            out = TextDelta(out.text, tuple(pending))
-            pending.clear()
-        if out is not None:
-            calls += isinstance(out, ToolCallEvent)
-            yield out
+    for out in _events(tail, req, calls, pending):
+        calls += isinstance(out, ToolCallEvent)
+        yield out
     assert done is not None
     r, c, g = _add(done.usage, reused, computed, completion)
     usage = Usage(
@@ -373,6 +363,21 @@ async def run(
         done.stop_sequence,
         tuple(pending),
     )
+
+
+def _events(
+    parsed_events: list[Any], req: ChatRequest, calls: int, pending: list[TokenLogprob]
+) -> Iterator[ChatEvent]:
+    """The parser's events as the pipeline's; logprobs waiting for text attach to the
+    next text delta (and `pending` empties)."""
+    for parsed in parsed_events:
+        out = _convert(parsed, req, calls)
+        if isinstance(out, TextDelta) and pending:
+            out = TextDelta(out.text, tuple(pending))
+            pending.clear()
+        if out is not None:
+            calls += isinstance(out, ToolCallEvent)
+            yield out
 
 
 def _add(u: Usage, reused: int, computed: int, completion: int) -> tuple[int, int, int]:
