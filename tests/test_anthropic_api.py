@@ -17,7 +17,7 @@ import httpx2
 import ollama
 import pytest
 
-from tests.daemon import Daemon
+from tests.daemon import Daemon, serve_models
 
 pytestmark = pytest.mark.real_model
 
@@ -46,23 +46,11 @@ QUESTION: Any = [
 
 
 def _daemon(tmp: Path, qwen_path: Path, tiny_path: Path, defaults: str) -> Daemon:
-    config = tmp / "barrel.toml"
-    config.write_text(
-        f'[models]\ncache_root = "{tmp / "cache"}"\nmax_context_size = 2048\n'
-        f'import_dir = "{qwen_path.parent}"\n[models.defaults]\n{defaults}\n'
+    return serve_models(
+        tmp,
+        {"qwen": qwen_path, "tiny": tiny_path},
+        f'import_dir = "{qwen_path.parent}"\n[models.defaults]\n{defaults}',
     )
-    d = Daemon(
-        "--config",
-        str(config),
-        "--model",
-        f"qwen={qwen_path}",
-        "--model",
-        f"tiny={tiny_path}",
-        cwd=tmp,
-    )
-    d.wait_listening()
-    d.wait_line("supervision tree up")
-    return d
 
 
 @pytest.fixture(scope="module")

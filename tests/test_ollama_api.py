@@ -14,7 +14,7 @@ import ollama
 import pytest
 
 from barrel.engine.model import LlamaModel, ModelOptions
-from tests.daemon import Daemon
+from tests.daemon import Daemon, serve_models
 
 pytestmark = pytest.mark.real_model
 
@@ -37,23 +37,11 @@ GREEDY = {"temperature": 0, "num_predict": 48}
 def daemon(
     tmp_path_factory: pytest.TempPathFactory, qwen_path: Path, tiny_path: Path
 ) -> Iterator[Daemon]:
-    tmp = tmp_path_factory.mktemp("ollama-api")
-    config = tmp / "barrel.toml"
-    config.write_text(
-        f'[models]\ncache_root = "{tmp / "cache"}"\nmax_context_size = 2048\n'
-        "[models.defaults]\nnum_seq_max = 2\n"
+    d = serve_models(
+        tmp_path_factory.mktemp("ollama-api"),
+        {"qwen": qwen_path, "tiny": tiny_path},
+        "[models.defaults]\nnum_seq_max = 2",
     )
-    d = Daemon(
-        "--config",
-        str(config),
-        "--model",
-        f"qwen={qwen_path}",
-        "--model",
-        f"tiny={tiny_path}",
-        cwd=tmp,
-    )
-    d.wait_listening()
-    d.wait_line("supervision tree up")
     yield d
     d.kill()
 
