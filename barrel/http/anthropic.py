@@ -26,20 +26,18 @@ from barrel.actors.lifecycle import Lease
 from barrel.engine.types import Usage
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.errors import Dialect, error_body
-from barrel.http.keys import CONFIG, LIFECYCLE, METRICS
-from barrel.http.ollama_gen import sampling_from, template_of
+from barrel.http.keys import LIFECYCLE, METRICS
+from barrel.http.leases import check_limits, prepare_on, template_of, with_model_messages
+from barrel.http.ollama_gen import sampling_from
 from barrel.pipeline.chat import (
     ChatRequest,
     Finished,
-    Prepared,
     ReasoningDelta,
     TextDelta,
     ToolCallEvent,
-    prepare,
     run,
 )
 from barrel.pipeline.session import derive_session
-from barrel.pipeline.toolcalls import detect_family
 
 routes = web.RouteTableDef()
 
@@ -73,11 +71,7 @@ async def _decode(request: web.Request, *, counting: bool) -> MessagesBody:
         raise InvalidRequest("messages: at least one message is required")
     if not counting and (body.max_tokens is None or body.max_tokens < 1):
         raise InvalidRequest("max_tokens: Field required (a positive integer)")
-    limits = request.app[CONFIG].limits
-    if len(body.messages) > limits.max_messages:
-        raise InvalidRequest(f"at most {limits.max_messages} messages are allowed")
-    if len(body.tools) > limits.max_tools:
-        raise InvalidRequest(f"at most {limits.max_tools} tools are allowed")
+    check_limits(request, body.messages, body.tools)
     return body
 
 
@@ -252,11 +246,7 @@ def _thinking(value: dict[str, Any] | None, max_tokens: int | None) -> tuple[boo
 def chat_request(body: MessagesBody, lease: Lease, request: web.Request) -> ChatRequest:
     spec = lease.spec
     messages, pin = to_messages(body)
-    before = len(spec.messages)
-    if spec.system and not any(m["role"] == "system" for m in messages):
-        messages = [{"role": "system", "content": spec.system}, *messages]
-        before += 1
-    messages = [*spec.messages, *messages]
+    messages, before = with_model_messages(lease, messages)
     sampling, _, stop = sampling_from({}, spec.parameters)
     overrides: dict[str, Any] = {}
     if body.temperature is not None:
@@ -290,19 +280,6 @@ def chat_request(body: MessagesBody, lease: Lease, request: web.Request) -> Chat
     if pin:  # a cache_control breakpoint inside the conversation: pin up to it
         req.pin_messages = before + pin
     return req
-
-
-async def _prepare(request: web.Request, req: ChatRequest, lease: Lease) -> Prepared:
-    model = lease.engine.model
-    template = await template_of(request, lease)
-    return await asyncio.to_thread(
-        prepare,
-        req,
-        template,
-        lambda t: model.tokenize(t),
-        detect_family(template.source),
-        model.control_tokens,
-    )
 
 
 # -- response: pipeline events -> Anthropic blocks ---------------------------------------
@@ -506,7 +483,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     lease = await lifecycle.acquire(body.model, None, on_queued=ping, on_loading=ping)
     try:
         req = chat_request(body, lease, request)
-        prep = await _prepare(request, req, lease)
+        prep = await prepare_on(lease, req, await template_of(request, lease))
         events = run(lease.engine, req, prep, request.app[METRICS].pipeline_timings)
         if sse is None:
             return web.json_response(await _collect(events, body.model))
@@ -534,7 +511,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     lease = await lifecycle.acquire(body.model)
     try:
         req = chat_request(body, lease, request)
-        prep = await _prepare(request, req, lease)
+        prep = await prepare_on(lease, req, await template_of(request, lease))
     finally:
         await lifecycle.release(lease)
     return web.json_response({"input_tokens": len(prep.prompt)})

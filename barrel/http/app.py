@@ -17,7 +17,7 @@ from barrel.actors.timers import Timers
 from barrel.actors.tree import daemon_tree
 from barrel.config import Config
 from barrel.engine.residency import ResidencyTracker
-from barrel.http import anthropic, health, ollama_gen, ollama_models
+from barrel.http import anthropic, health, leases, ollama_gen, ollama_models
 from barrel.http.keys import CONFIG, LIFECYCLE, METRICS, ON_FATAL, RUNTIME, STORE
 from barrel.http.middlewares import MIDDLEWARES, decorate_response
 from barrel.metrics import Metrics
@@ -61,7 +61,7 @@ def make_app(
     app.router.add_routes(ollama_models.routes)
     app.router.add_routes(ollama_gen.routes)
     app.router.add_routes(anthropic.routes)
-    app[ollama_gen.TEMPLATES] = {}
+    app[leases.TEMPLATES] = {}
     return app
 
 

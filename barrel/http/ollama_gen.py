@@ -19,11 +19,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from barrel.actors.lifecycle import Lease, keep_alive_seconds
+from barrel.actors.lifecycle import keep_alive_seconds
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import SamplingParams, TokenLogprob
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.keys import CONFIG, LIFECYCLE, METRICS
+from barrel.http.leases import check_limits, prepare_on, template_of, with_model_messages
 from barrel.pipeline.chat import (
     ChatRequest,
     Finished,
@@ -31,18 +32,13 @@ from barrel.pipeline.chat import (
     ReasoningDelta,
     TextDelta,
     ToolCallEvent,
-    make_template,
-    prepare,
     run,
 )
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.templates import ChatTemplate
-from barrel.pipeline.toolcalls import detect_family
 
 logger = logging.getLogger(__name__)
 routes = web.RouteTableDef()
-# Compiled chat templates by (model, manifest digest).
-TEMPLATES: web.AppKey[dict[tuple[str, str], ChatTemplate]] = web.AppKey("ollama_templates")
 
 # Ollama's defaults, under the model's stored PARAMETERs, under the request's options.
 DEFAULTS: dict[str, Any] = {
@@ -201,22 +197,6 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e9):09d}Z"
 
 
-async def template_of(request: web.Request, lease: Lease) -> ChatTemplate:
-    cache: dict[tuple[str, str], ChatTemplate] = request.app[TEMPLATES]
-    key = (lease.spec.name, lease.spec.digest)
-    if key not in cache:
-        model = lease.engine.model
-        source = lease.spec.template or model.meta("tokenizer.chat_template") or ""
-        bos = (
-            model.piece(model.bos, special=True).decode(errors="replace") if model.bos >= 0 else ""
-        )
-        eos = (
-            model.piece(model.eos, special=True).decode(errors="replace") if model.eos >= 0 else ""
-        )
-        cache[key] = await asyncio.to_thread(make_template, source, bos, eos)
-    return cache[key]
-
-
 async def _lifecycle_only(
     request: web.Request, model: str, keep_alive: float
 ) -> web.Response | None:
@@ -246,11 +226,7 @@ async def _lifecycle_only(
 @routes.post("/api/chat")
 async def chat(request: web.Request) -> web.StreamResponse:
     body: ChatBody = await _decode(request, ChatBody)
-    limits = request.app[CONFIG].limits
-    if len(body.messages) > limits.max_messages:
-        raise InvalidRequest(f"at most {limits.max_messages} messages are allowed")
-    if len(body.tools) > limits.max_tools:
-        raise InvalidRequest(f"at most {limits.max_tools} tools are allowed")
+    check_limits(request, body.messages, body.tools)
     keep_alive = _keep_alive(request, body.keep_alive)
     if not body.messages:
         response = await _lifecycle_only(request, body.model, keep_alive)
@@ -300,9 +276,7 @@ async def _generate(
             if not 0 <= body.top_logprobs <= 20:
                 raise InvalidRequest("top_logprobs must be between 0 and 20")
             sampling = msgspec.structs.replace(sampling, logprobs=body.top_logprobs)
-        if spec.system and not any(m["role"] == "system" for m in messages):
-            messages = [{"role": "system", "content": spec.system}, *messages]
-        messages = [*spec.messages, *messages]
+        messages, _ = with_model_messages(lease, messages)
         req = ChatRequest(
             messages,
             tools=tools,
@@ -320,10 +294,7 @@ async def _generate(
             template = ChatTemplate("{{ messages[-1].content }}")
         else:
             template = await template_of(request, lease)
-        fam = detect_family(template.source)
-        prep = await asyncio.to_thread(
-            prepare, req, template, lambda t: model.tokenize(t), fam, model.control_tokens
-        )
+        prep = await prepare_on(lease, req, template)
         if prompt_override is not None:
             prep = _with_prompt(prep, prompt_override)
         elif isinstance(body, GenerateBody) and body.context:

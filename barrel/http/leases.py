@@ -1,0 +1,69 @@
+"""What every generation endpoint does around a model lease, whatever its dialect: the
+request limits, the model's stored system prompt and messages, the compiled chat
+template, and the pipeline's `prepare` off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from barrel.actors.lifecycle import Lease
+from barrel.errors import InvalidRequest
+from barrel.http.keys import CONFIG
+from barrel.pipeline.chat import ChatRequest, Prepared, make_template, prepare
+from barrel.pipeline.templates import ChatTemplate
+from barrel.pipeline.toolcalls import detect_family
+
+# Compiled chat templates by (model, manifest digest).
+TEMPLATES: web.AppKey[dict[tuple[str, str], ChatTemplate]] = web.AppKey("chat_templates")
+
+
+def check_limits(request: web.Request, messages: list[Any], tools: list[Any]) -> None:
+    limits = request.app[CONFIG].limits
+    if len(messages) > limits.max_messages:
+        raise InvalidRequest(f"at most {limits.max_messages} messages are allowed")
+    if len(tools) > limits.max_tools:
+        raise InvalidRequest(f"at most {limits.max_tools} tools are allowed")
+
+
+def with_model_messages(
+    lease: Lease, messages: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], int]:
+    """The model's stored messages, then its SYSTEM (unless the request has a system
+    message), then the request's; and how many were put in front."""
+    spec = lease.spec
+    head = list(spec.messages)
+    if spec.system and not any(m["role"] == "system" for m in messages):
+        head.append({"role": "system", "content": spec.system})
+    return [*head, *messages], len(head)
+
+
+async def template_of(request: web.Request, lease: Lease) -> ChatTemplate:
+    cache: dict[tuple[str, str], ChatTemplate] = request.app[TEMPLATES]
+    key = (lease.spec.name, lease.spec.digest)
+    if key not in cache:
+        model = lease.engine.model
+        source = lease.spec.template or model.meta("tokenizer.chat_template") or ""
+        bos = (
+            model.piece(model.bos, special=True).decode(errors="replace") if model.bos >= 0 else ""
+        )
+        eos = (
+            model.piece(model.eos, special=True).decode(errors="replace") if model.eos >= 0 else ""
+        )
+        cache[key] = await asyncio.to_thread(make_template, source, bos, eos)
+    return cache[key]
+
+
+async def prepare_on(lease: Lease, req: ChatRequest, template: ChatTemplate) -> Prepared:
+    """Render and tokenize in a worker thread: bad input fails here, before the queue."""
+    model = lease.engine.model
+    return await asyncio.to_thread(
+        prepare,
+        req,
+        template,
+        lambda t: model.tokenize(t),
+        detect_family(template.source),
+        model.control_tokens,
+    )
