@@ -278,6 +278,16 @@ def test_errors_in_anthropic_envelope(client: anthropic.Anthropic) -> None:
     assert "text only" in bad.value.message
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="qwen", max_tokens=0, messages=QUESTION)
+    # bad input is refused before the model is even looked up
+    with pytest.raises(anthropic.BadRequestError) as early:
+        client.messages.create(
+            model="nope",
+            max_tokens=8,
+            messages=QUESTION,
+            thinking={"type": "enabled", "budget_tokens": 16},
+            tool_choice={"type": "sometimes"},  # type: ignore[typeddict-item]
+        )
+    assert "tool_choice" in early.value.message
 
 
 def test_stop_sequences_and_max_tokens(client: anthropic.Anthropic) -> None:

@@ -243,40 +243,44 @@ def _thinking(value: dict[str, Any] | None, max_tokens: int | None) -> tuple[boo
     return True, budget
 
 
-def chat_request(body: MessagesBody, lease: Lease, request: web.Request) -> ChatRequest:
-    spec = lease.spec
+def chat_request(body: MessagesBody) -> tuple[ChatRequest, int]:
+    """Everything that can be checked without the model, before any queueing or
+    loading; and how many messages end at the last cache_control breakpoint."""
     messages, pin = to_messages(body)
-    messages, before = with_model_messages(lease, messages)
-    sampling, _, stop = sampling_from({}, spec.parameters)
-    overrides: dict[str, Any] = {}
-    if body.temperature is not None:
-        overrides["temperature"] = body.temperature
-    if body.top_p is not None:
-        overrides["top_p"] = body.top_p
-    if body.top_k is not None:
-        overrides["top_k"] = body.top_k
-    sampling = msgspec.structs.replace(sampling, **overrides)
     choice, parallel = _tool_choice(body.tool_choice)
     thinking, budget = _thinking(body.thinking, body.max_tokens)
-    user_id = (body.metadata or {}).get("user_id")
     req = ChatRequest(
         messages,
         tools=to_tools(body.tools),
         tool_choice=choice,
         parallel_tool_calls=parallel,
-        sampling=sampling,
         max_tokens=body.max_tokens,
-        stop=(*stop, *body.stop_sequences),
+        stop=tuple(body.stop_sequences),
         thinking=thinking,
-        session=derive_session(
-            spec.name,
-            messages,
-            request.headers.get("x-conversation-id"),
-            user_id if isinstance(user_id, str) else None,
-        ),
     )
     if budget:
         req.reasoning_budget = budget
+    return req, pin
+
+
+def for_model(
+    req: ChatRequest, pin: int, body: MessagesBody, lease: Lease, request: web.Request
+) -> ChatRequest:
+    """The model's stored messages and parameters under the request's, and the session."""
+    spec = lease.spec
+    req.messages, before = with_model_messages(lease, req.messages)
+    knobs = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
+    req.sampling, _, stop = sampling_from(
+        {k: v for k, v in knobs.items() if v is not None}, spec.parameters
+    )
+    req.stop = (*stop, *req.stop)
+    user_id = (body.metadata or {}).get("user_id")
+    req.session = derive_session(
+        spec.name,
+        req.messages,
+        request.headers.get("x-conversation-id"),
+        user_id if isinstance(user_id, str) else None,
+    )
     if pin:  # a cache_control breakpoint inside the conversation: pin up to it
         req.pin_messages = before + pin
     return req
@@ -476,13 +480,13 @@ async def _stream(sse: _Sse, events: AsyncIterator[Any], name: str, prompt: int)
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await _decode(request, counting=False)
-    to_messages(body)  # bad blocks fail here, before any queueing or loading
+    req, pin = chat_request(body)
     lifecycle = request.app[LIFECYCLE]
     sse = _Sse(request) if body.stream else None
     ping = sse.ping_soon if sse is not None else None
     lease = await lifecycle.acquire(body.model, None, on_queued=ping, on_loading=ping)
     try:
-        req = chat_request(body, lease, request)
+        req = for_model(req, pin, body, lease, request)
         prep = await prepare_on(lease, req, await template_of(request, lease))
         events = run(lease.engine, req, prep, request.app[METRICS].pipeline_timings)
         if sse is None:
@@ -506,11 +510,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
     body = await _decode(request, counting=True)
-    to_messages(body)
+    req, pin = chat_request(body)
     lifecycle = request.app[LIFECYCLE]
     lease = await lifecycle.acquire(body.model)
     try:
-        req = chat_request(body, lease, request)
+        req = for_model(req, pin, body, lease, request)
         prep = await prepare_on(lease, req, await template_of(request, lease))
     finally:
         await lifecycle.release(lease)
