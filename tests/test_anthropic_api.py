@@ -365,3 +365,38 @@ def test_full_queue_529_then_sdk_retry_succeeds(solo: Daemon) -> None:
     assert statuses[-1] == 200
     assert result
     assert result[0].usage.output_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def impatient(
+    tmp_path_factory: pytest.TempPathFactory, qwen_path: Path, tiny_path: Path
+) -> Iterator[Daemon]:
+    d = _daemon(
+        tmp_path_factory.mktemp("anthropic-impatient"),
+        qwen_path,
+        tiny_path,
+        "num_seq_max = 1\nqueue_depth = 1\nqueue_timeout_s = 1.5",
+    )
+    yield d
+    d.kill()
+
+
+def test_a_waiting_stream_pings_then_ends_with_an_error_event(impatient: Daemon) -> None:
+    busy = anthropic.Anthropic(base_url=impatient.url, api_key="k", timeout=120, max_retries=0)
+    count: Any = [{"role": "user", "content": "Count from 1 to 300, comma separated."}]
+    with busy.messages.stream(model="qwen", max_tokens=600, messages=count) as long:
+        next(iter(long))  # the only slot is taken; the next request waits in the queue
+        with httpx.stream(
+            "POST",
+            impatient.url + "/v1/messages",
+            json={"model": "qwen", "max_tokens": 4, "stream": True, "messages": QUESTION},
+            timeout=30,
+        ) as waiting:
+            assert waiting.status_code == 200
+            raw = waiting.read().decode()
+    names = [line[7:] for line in raw.splitlines() if line.startswith("event: ")]
+    assert names == ["ping", "error"]  # a ping while queued, then the queue timeout
+    error = json.loads(raw.split("event: error\ndata: ")[1].split("\n")[0])
+    assert error["type"] == "error"
+    assert error["error"]["type"] == "overloaded_error"
+    assert "queue" in error["error"]["message"]

@@ -477,6 +477,21 @@ async def _stream(sse: _Sse, events: AsyncIterator[Any], name: str, prompt: int)
     raise BarrelError("the generation ended without a result")
 
 
+async def _failed(sse: _Sse | None, err: BarrelError) -> web.StreamResponse:
+    """An error after pings or events went out is an `event: error`; before, it is a
+    plain response in Anthropic's envelope (re-raised for the middleware)."""
+    if sse is not None:
+        await sse.settle()
+    if sse is None or sse.resp is None:
+        raise err
+    status = 529 if err.status == 503 else err.status
+    envelope = error_body(Dialect.ANTHROPIC, status, err.code, err.message)
+    assert isinstance(envelope, dict)
+    await sse.send("error", envelope)
+    await sse.resp.write_eof()
+    return sse.resp
+
+
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await _decode(request, counting=False)
@@ -484,7 +499,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     lifecycle = request.app[LIFECYCLE]
     sse = _Sse(request) if body.stream else None
     ping = sse.ping_soon if sse is not None else None
-    lease = await lifecycle.acquire(body.model, None, on_queued=ping, on_loading=ping)
+    try:
+        lease = await lifecycle.acquire(body.model, None, on_queued=ping, on_loading=ping)
+    except BarrelError as err:  # e.g. a queue timeout after pings went out
+        return await _failed(sse, err)
     try:
         req = for_model(req, pin, body, lease, request)
         prep = await prepare_on(lease, req, await template_of(request, lease))
@@ -494,12 +512,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         await sse.settle()
         await _stream(sse, events, body.model, len(prep.prompt))
     except BarrelError as err:
-        if sse is None or sse.resp is None:
-            raise  # nothing sent yet: a plain error response in Anthropic's envelope
-        status = 529 if err.status == 503 else err.status
-        envelope = error_body(Dialect.ANTHROPIC, status, err.code, err.message)
-        assert isinstance(envelope, dict)
-        await sse.send("error", envelope)
+        return await _failed(sse, err)
     finally:
         await lifecycle.release(lease)
     assert sse.resp is not None
