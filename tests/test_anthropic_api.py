@@ -39,6 +39,10 @@ SHORT: Any = {
         "required": ["city"],
     },
 }
+# greedy, Qwen writes all 600 tokens for this: a request that holds its slot for long
+COUNT: Any = [
+    {"role": "user", "content": "Write the numbers from 1 to 200 in words, one per line."}
+]
 GREEDY = {"temperature": 0}  # sampling knobs go in the body: SDK 2.x dropped them
 QUESTION: Any = [
     {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
@@ -322,8 +326,9 @@ def solo(
 
 def test_full_queue_529_then_sdk_retry_succeeds(solo: Daemon) -> None:
     busy = anthropic.Anthropic(base_url=solo.url, api_key="k", timeout=120, max_retries=0)
-    count: Any = [{"role": "user", "content": "Count from 1 to 300, comma separated."}]
-    with busy.messages.stream(model="qwen", max_tokens=600, messages=count) as long:
+    with busy.messages.stream(
+        model="qwen", max_tokens=600, extra_body=GREEDY, messages=COUNT
+    ) as long:
         next(iter(long))  # message_start: the only slot is taken
         raw = httpx.post(
             solo.url + "/v1/messages",
@@ -349,7 +354,9 @@ def test_full_queue_529_then_sdk_retry_succeeds(solo: Daemon) -> None:
     result: list[Any] = []
     # the first stream's slot frees once the server sees the client gone: retry until then
     waiting = busy.with_options(max_retries=8)
-    with waiting.messages.stream(model="qwen", max_tokens=600, messages=count) as long:
+    with waiting.messages.stream(
+        model="qwen", max_tokens=600, extra_body=GREEDY, messages=COUNT
+    ) as long:
         next(iter(long))
         t = threading.Thread(
             target=lambda: result.append(
@@ -383,8 +390,9 @@ def impatient(
 
 def test_a_waiting_stream_pings_then_ends_with_an_error_event(impatient: Daemon) -> None:
     busy = anthropic.Anthropic(base_url=impatient.url, api_key="k", timeout=120, max_retries=0)
-    count: Any = [{"role": "user", "content": "Count from 1 to 300, comma separated."}]
-    with busy.messages.stream(model="qwen", max_tokens=600, messages=count) as long:
+    with busy.messages.stream(
+        model="qwen", max_tokens=600, extra_body=GREEDY, messages=COUNT
+    ) as long:
         next(iter(long))  # the only slot is taken; the next request waits in the queue
         with httpx.stream(
             "POST",
