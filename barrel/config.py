@@ -41,6 +41,12 @@ class LimitsConfig(_Section, frozen=True):
     max_embedding_inputs: int = 256
 
 
+class ResponsesConfig(_Section, frozen=True):
+    # Stored responses (for previous_response_id) live this long, in memory.
+    store_ttl_s: float = 3600.0
+    max_stored: int = 1000
+
+
 class CorsConfig(_Section, frozen=True):
     # Empty list: CORS off. ["*"] allows any origin.
     allow_origins: list[str] = msgspec.field(default_factory=list)
@@ -119,6 +125,7 @@ class ModelsConfig(_Section, frozen=True):
 class Config(_Section, frozen=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     cors: CorsConfig = msgspec.field(default_factory=CorsConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     supervision: SupervisionConfig = msgspec.field(default_factory=SupervisionConfig)
@@ -200,6 +207,8 @@ def validate(config: Config, source: str) -> None:
         errors.append("server.port: must be between 0 and 65535")
     if config.limits.max_request_body_bytes <= 0:
         errors.append("limits.max_request_body_bytes: must be positive")
+    if config.responses.store_ttl_s <= 0 or config.responses.max_stored < 0:
+        errors.append("responses: store_ttl_s > 0 and max_stored >= 0 required")
     if config.models.max_context_size < 64:
         errors.append("models.max_context_size: must be at least 64")
     if config.models.defaults.num_seq_max < 1:

@@ -15,10 +15,13 @@ class BarrelError(Exception):
     status: int = 500
     code: str = "internal_error"
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after: float | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+        self.param = param  # the request field at fault, when one is (OpenAI's "param")
 
 
 class InvalidRequest(BarrelError):

@@ -11,12 +11,11 @@ message is held in a pinned sequence (without one, the system + tools head is).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -29,6 +28,7 @@ from barrel.http.errors import Dialect, error_body
 from barrel.http.keys import LIFECYCLE, METRICS
 from barrel.http.leases import check_limits, prepare_on, template_of, with_model_messages
 from barrel.http.ollama_gen import sampling_from
+from barrel.http.sse import SseWriter
 from barrel.pipeline.chat import (
     ChatRequest,
     Finished,
@@ -362,40 +362,14 @@ async def _collect(events: AsyncIterator[Any], name: str) -> dict[str, Any]:
     raise BarrelError("the generation ended without a result")
 
 
-class _Sse:
-    """The SSE side of a streamed answer: prepared at the first event or ping, so that
-    errors before any waiting still get a plain HTTP status (404, 529, ...)."""
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.resp: web.StreamResponse | None = None
-        self.lock = asyncio.Lock()
-        self.pending: set[asyncio.Task[None]] = set()
-
-    async def send(self, event: str, data: dict[str, Any]) -> None:
-        async with self.lock:
-            if self.resp is None:
-                self.resp = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-                )
-                await self.resp.prepare(self.request)
-            payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-            await self.resp.write(f"event: {event}\ndata: {payload}\n\n".encode())
-
-    def ping_soon(self, *_: object) -> None:
-        task = asyncio.ensure_future(self.send("ping", {"type": "ping"}))
-        self.pending.add(task)
-        task.add_done_callback(self.pending.discard)
-
-    async def settle(self) -> None:
-        if self.pending:
-            await asyncio.gather(*self.pending, return_exceptions=True)
+def _ping(sse: SseWriter) -> Callable[..., None]:
+    return lambda *_: sse.soon(sse.send({"type": "ping"}, "ping"))
 
 
 class _Blocks:
     """Opens and closes content blocks as the kind of delta changes."""
 
-    def __init__(self, sse: _Sse) -> None:
+    def __init__(self, sse: SseWriter) -> None:
         self.sse = sse
         self.index = -1
         self.kind: str | None = None
@@ -407,17 +381,17 @@ class _Blocks:
         self.index += 1
         self.kind = block["type"]
         await self.sse.send(
-            "content_block_start",
             {"type": "content_block_start", "index": self.index, "content_block": block},
+            "content_block_start",
         )
         if not self.pinged:
             self.pinged = True
-            await self.sse.send("ping", {"type": "ping"})
+            await self.sse.send({"type": "ping"}, "ping")
 
     async def delta(self, delta: dict[str, Any]) -> None:
         await self.sse.send(
-            "content_block_delta",
             {"type": "content_block_delta", "index": self.index, "delta": delta},
+            "content_block_delta",
         )
 
     async def close(self) -> None:
@@ -427,7 +401,7 @@ class _Blocks:
             await self.delta({"type": "signature_delta", "signature": _signature(self.thought)})
             self.thought = ""
         await self.sse.send(
-            "content_block_stop", {"type": "content_block_stop", "index": self.index}
+            {"type": "content_block_stop", "index": self.index}, "content_block_stop"
         )
         self.kind = None
 
@@ -448,7 +422,7 @@ class _Blocks:
             await self.close()
 
 
-async def _stream(sse: _Sse, events: AsyncIterator[Any], name: str, prompt: int) -> None:
+async def _stream(sse: SseWriter, events: AsyncIterator[Any], name: str, prompt: int) -> None:
     start_usage = {
         "input_tokens": prompt,
         "output_tokens": 0,
@@ -456,7 +430,7 @@ async def _stream(sse: _Sse, events: AsyncIterator[Any], name: str, prompt: int)
         "cache_creation_input_tokens": 0,
     }
     await sse.send(
-        "message_start", {"type": "message_start", "message": _message(name, [], start_usage)}
+        {"type": "message_start", "message": _message(name, [], start_usage)}, "message_start"
     )
     blocks = _Blocks(sse)
     async for event in events:
@@ -464,32 +438,31 @@ async def _stream(sse: _Sse, events: AsyncIterator[Any], name: str, prompt: int)
             await blocks.close()
             reason, sequence = _stop(event)
             await sse.send(
-                "message_delta",
                 {
                     "type": "message_delta",
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
                     "usage": _usage(event.usage),
                 },
+                "message_delta",
             )
-            await sse.send("message_stop", {"type": "message_stop"})
+            await sse.send({"type": "message_stop"}, "message_stop")
             return
         await blocks.feed(event)
     raise BarrelError("the generation ended without a result")
 
 
-async def _failed(sse: _Sse | None, err: BarrelError) -> web.StreamResponse:
+async def _failed(sse: SseWriter | None, err: BarrelError) -> web.StreamResponse:
     """An error after pings or events went out is an `event: error`; before, it is a
     plain response in Anthropic's envelope (re-raised for the middleware)."""
     if sse is not None:
         await sse.settle()
-    if sse is None or sse.resp is None:
+    if sse is None or not sse.started:
         raise err
     status = 529 if err.status == 503 else err.status
     envelope = error_body(Dialect.ANTHROPIC, status, err.code, err.message)
     assert isinstance(envelope, dict)
-    await sse.send("error", envelope)
-    await sse.resp.write_eof()
-    return sse.resp
+    await sse.send(envelope, "error")
+    return await sse.close()
 
 
 @routes.post("/v1/messages")
@@ -497,8 +470,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await _decode(request, counting=False)
     req, pin = chat_request(body)
     lifecycle = request.app[LIFECYCLE]
-    sse = _Sse(request) if body.stream else None
-    ping = sse.ping_soon if sse is not None else None
+    sse = SseWriter(request) if body.stream else None
+    ping = _ping(sse) if sse is not None else None
     try:
         lease = await lifecycle.acquire(body.model, None, on_queued=ping, on_loading=ping)
     except BarrelError as err:  # e.g. a queue timeout after pings went out
@@ -515,9 +488,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         return await _failed(sse, err)
     finally:
         await lifecycle.release(lease)
-    assert sse.resp is not None
-    await sse.resp.write_eof()
-    return sse.resp
+    return await sse.close()
 
 
 @routes.post("/v1/messages/count_tokens")

@@ -17,9 +17,20 @@ from barrel.actors.timers import Timers
 from barrel.actors.tree import daemon_tree
 from barrel.config import Config
 from barrel.engine.residency import ResidencyTracker
-from barrel.http import anthropic, health, leases, ollama_gen, ollama_models
+from barrel.http import (
+    anthropic,
+    health,
+    leases,
+    ollama_gen,
+    ollama_models,
+    openai_chat,
+    openai_completions,
+    openai_models,
+    openai_responses,
+)
 from barrel.http.keys import CONFIG, LIFECYCLE, METRICS, ON_FATAL, RUNTIME, STORE
 from barrel.http.middlewares import MIDDLEWARES, decorate_response
+from barrel.http.response_store import ResponseStore
 from barrel.metrics import Metrics
 from barrel.store.store import ModelStore
 
@@ -61,6 +72,13 @@ def make_app(
     app.router.add_routes(ollama_models.routes)
     app.router.add_routes(ollama_gen.routes)
     app.router.add_routes(anthropic.routes)
+    app.router.add_routes(openai_chat.routes)
+    app.router.add_routes(openai_completions.routes)
+    app.router.add_routes(openai_models.routes)
+    app.router.add_routes(openai_responses.routes)
+    app[openai_responses.STORE] = ResponseStore(
+        config.responses.store_ttl_s, config.responses.max_stored
+    )
     app[leases.TEMPLATES] = {}
     return app
 

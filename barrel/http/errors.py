@@ -25,8 +25,8 @@ class Dialect(StrEnum):
 def dialect_for(path: str) -> Dialect:
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return Dialect.ANTHROPIC
-    if path.startswith("/v1/"):
-        return Dialect.OPENAI
+    if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+        return Dialect.OPENAI  # llama-server's tokenizer endpoints answer like OpenAI
     if path.startswith("/api/"):
         return Dialect.OLLAMA
     return Dialect.BARREL
@@ -55,10 +55,17 @@ def _openai_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
-def error_body(dialect: Dialect, status: int, code: str, message: str) -> object:
+def error_body(
+    dialect: Dialect, status: int, code: str, message: str, param: str | None = None
+) -> object:
     if dialect is Dialect.OPENAI:
         return {
-            "error": {"message": message, "type": _openai_type(status), "param": None, "code": code}
+            "error": {
+                "message": message,
+                "type": _openai_type(status),
+                "param": param,
+                "code": code,
+            }
         }
     if dialect is Dialect.ANTHROPIC:
         fallback = "api_error" if status >= 500 else "invalid_request_error"
@@ -75,15 +82,16 @@ def error_response(
     code: str,
     message: str,
     retry_after: float | None = None,
+    param: str | None = None,
 ) -> web.Response:
     dialect = dialect_for(path)
     if dialect is Dialect.ANTHROPIC and status == 503:
         status = 529  # Anthropic's SDKs back off on "overloaded"
-    resp = web.json_response(error_body(dialect, status, code, message), status=status)
+    resp = web.json_response(error_body(dialect, status, code, message, param), status=status)
     if retry_after is not None:
         resp.headers["Retry-After"] = str(max(1, round(retry_after)))
     return resp
 
 
 def render(path: str, err: BarrelError) -> web.Response:
-    return error_response(path, err.status, err.code, err.message, err.retry_after)
+    return error_response(path, err.status, err.code, err.message, err.retry_after, err.param)

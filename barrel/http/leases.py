@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from barrel.actors.lifecycle import Lease
+from barrel.engine.model import LlamaModel
 from barrel.errors import InvalidRequest
 from barrel.http.keys import CONFIG
 from barrel.pipeline.chat import ChatRequest, Prepared, make_template, prepare
@@ -67,3 +68,23 @@ async def prepare_on(lease: Lease, req: ChatRequest, template: ChatTemplate) -> 
         detect_family(template.source),
         model.control_tokens,
     )
+
+
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def fim_prompt(model: LlamaModel, prefix: str, suffix: str) -> list[int]:
+    """Fill-in-the-middle: prefix and suffix around the model's FIM tokens, the answer
+    being the middle. A model without those tokens cannot do it (400)."""
+    pre, suf, mid = (model.token_id(t) for t in FIM_TOKENS)
+    if pre is None or suf is None or mid is None:
+        raise InvalidRequest(
+            "this model does not support insert (fill-in-the-middle)", param="suffix"
+        )
+    return [
+        pre,
+        *model.tokenize(prefix, add_special=False),
+        suf,
+        *model.tokenize(suffix, add_special=False),
+        mid,
+    ]

@@ -24,7 +24,13 @@ from barrel.engine.model import LlamaModel
 from barrel.engine.types import SamplingParams, TokenLogprob
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.keys import CONFIG, LIFECYCLE, METRICS
-from barrel.http.leases import check_limits, prepare_on, template_of, with_model_messages
+from barrel.http.leases import (
+    check_limits,
+    fim_prompt,
+    prepare_on,
+    template_of,
+    with_model_messages,
+)
 from barrel.pipeline.chat import (
     ChatRequest,
     Finished,
@@ -334,17 +340,7 @@ def _with_prompt(prep: Prepared, prompt: list[int]) -> Prepared:
 def _raw_prompt(body: GenerateBody, model: LlamaModel) -> list[int] | None:
     """raw prompts skip the template; a suffix asks for fill-in-the-middle."""
     if body.suffix:
-        ids = [model.token_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")]
-        pre, suf, mid = ids
-        if pre is None or suf is None or mid is None:
-            raise InvalidRequest("this model does not support insert (fill-in-the-middle)")
-        return [
-            pre,
-            *model.tokenize(body.prompt, add_special=False),
-            suf,
-            *model.tokenize(body.suffix, add_special=False),
-            mid,
-        ]
+        return fim_prompt(model, body.prompt, body.suffix)
     if body.raw:
         return model.tokenize(body.prompt, add_special=True)
     if body.template:
@@ -450,7 +446,8 @@ def _timings(
 # -- embeddings ---------------------------------------------------------------------
 
 
-def _shape(vector: list[float], dimensions: int | None) -> list[float]:
+def shorten_embedding(vector: list[float], dimensions: int | None) -> list[float]:
+    """The first `dimensions` values, normalised again (Matryoshka-style shortening)."""
     if dimensions is None or dimensions >= len(vector):
         return vector
     if dimensions < 1:
@@ -481,7 +478,7 @@ async def embed(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "model": body.model,
-            "embeddings": [_shape(v, body.dimensions) for v in vectors],
+            "embeddings": [shorten_embedding(v, body.dimensions) for v in vectors],
             "total_duration": _ns(time.perf_counter() - started),
             "load_duration": _ns(load_s),
             "prompt_eval_count": sum(len(t) for t in tokens),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,7 +264,7 @@ async def run(
     req: ChatRequest,
     prep: Prepared,
     timings: Callable[[float, float], None] | None = None,
-) -> AsyncIterator[ChatEvent]:
+) -> AsyncGenerator[ChatEvent, None]:
     """Generate and parse: text, reasoning and tool calls as they come, then Finished.
     `timings(render_seconds, parse_seconds)` is called at the end (for metrics)."""
     if prep.static_prefix >= MIN_PIN:

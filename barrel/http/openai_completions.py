@@ -1,0 +1,294 @@
+"""OpenAI's legacy POST /v1/completions, and llama-server's POST /tokenize and /detokenize.
+
+Completions take the prompt as it is, without a chat template: a string, strings, token
+ids or lists of token ids; each prompt gets `n` choices (index = prompt * n + choice).
+`suffix` asks for fill-in-the-middle on models with FIM tokens. `echo` puts the prompt in
+front of the text; prompt logprobs are not computed, so echo with logprobs is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from barrel.actors.lifecycle import Lease
+from barrel.engine.engine import Engine
+from barrel.engine.types import Delta, Done, GenerationRequest, TokenLogprob, Usage
+from barrel.errors import BarrelError, InvalidRequest
+from barrel.http.keys import LIFECYCLE
+from barrel.http.leases import fim_prompt
+from barrel.http.openai_common import (
+    Knobs,
+    check_knobs,
+    decode,
+    include_usage,
+    leased,
+    merged,
+    new_id,
+    sampling_for,
+    stream_failed,
+)
+from barrel.http.sse import SseWriter
+
+routes = web.RouteTableDef()
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_LOGPROBS = 20
+
+
+class CompletionBody(Knobs, kw_only=True):
+    prompt: Any = None
+    suffix: str | None = None
+    echo: bool = False
+    logprobs: int | None = None
+
+
+def _prompts(raw: Any) -> list[str | list[int]]:
+    if isinstance(raw, str):
+        return [raw]
+    if isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
+        return [raw]
+    if isinstance(raw, list) and raw:
+        for i, p in enumerate(raw):
+            ids = isinstance(p, list) and p and all(isinstance(t, int) for t in p)
+            if not (isinstance(p, str) or ids):
+                raise InvalidRequest(
+                    "each prompt must be a string or a non-empty list of token ids",
+                    param=f"prompt[{i}]",
+                )
+        return list(raw)
+    raise InvalidRequest("prompt must be a string, strings or token ids", param="prompt")
+
+
+def _check(body: CompletionBody) -> list[str | list[int]]:
+    check_knobs(body)
+    prompts = _prompts(body.prompt)
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+    if body.echo and body.logprobs is not None:
+        raise InvalidRequest(
+            "echo with logprobs (the prompt's logprobs) is not supported", param="echo"
+        )
+    if body.suffix and not all(isinstance(p, str) for p in prompts):
+        raise InvalidRequest("suffix needs the prompt as text", param="suffix")
+    return prompts
+
+
+def _tokens(lease: Lease, prompts: list[str | list[int]], suffix: str | None) -> list[list[int]]:
+    model = lease.engine.model
+    out = []
+    for p in prompts:
+        if isinstance(p, list):
+            if any(t < 0 or t >= model.n_vocab for t in p):
+                raise InvalidRequest(f"token ids must be below {model.n_vocab}", param="prompt")
+            out.append(list(p))
+        elif suffix:
+            out.append(fim_prompt(model, p, suffix))
+        else:
+            out.append(model.tokenize(p, add_special=True))
+    return out
+
+
+async def _generate(engine: Engine, req: GenerationRequest) -> AsyncGenerator[Delta | Done, None]:
+    async with engine.submit(req) as stream:
+        async for event in stream:
+            yield event
+            if isinstance(event, Done):
+                return
+
+
+class _Logprobs:
+    """The legacy logprobs object: tokens, their logprobs, the top ones as a map, and
+    each token's offset in the choice's text."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top: list[dict[str, float]] = []
+        self.offsets: list[int] = []
+
+    def add(self, lps: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        part = _Logprobs(self.offset)
+        for lp in lps:
+            for target in (self, part):
+                target.tokens.append(lp.text)
+                target.token_logprobs.append(lp.logprob)
+                target.top.append({t.text: t.logprob for t in lp.top})
+                target.offsets.append(self.offset)
+            self.offset += len(lp.text)
+        return part.json()
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top,
+            "text_offset": self.offsets,
+        }
+
+
+def _usage(prompts: list[list[int]], usages: dict[int, Usage], n: int) -> dict[str, Any]:
+    completion = sum(u.completion_tokens for u in usages.values())
+    prompt = sum(len(p) for p in prompts)
+    cached = sum(usages[i * n].prompt_reused for i in range(len(prompts)) if i * n in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await decode(request, CompletionBody)
+    texts = _check(body)
+    sse = SseWriter(request) if body.stream else None
+    try:
+        async with leased(request, body.model, sse) as lease:
+            prompts = await asyncio.to_thread(_tokens, lease, texts, body.suffix)
+            sampling, max_tokens, stop = sampling_for(body, lease, body.logprobs)
+            if body.max_tokens is None and lease.spec.parameters.get("num_predict") is None:
+                max_tokens = DEFAULT_MAX_TOKENS
+            reqs = [
+                GenerationRequest(p, sampling, max_tokens=max_tokens, stop=stop)
+                for p in prompts
+                for _ in range(body.n)
+            ]
+            echoes = [
+                (t if isinstance(t, str) else lease.engine.detokenize(p)) if body.echo else ""
+                for t, p in zip(texts, prompts, strict=True)
+                for _ in range(body.n)
+            ]
+            out = await _complete(sse, body, lease, reqs, echoes, prompts)
+            if out is not None:
+                return web.json_response(out)
+    except ConnectionError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a stream that began ends with an error frame
+        return await stream_failed(sse, err)
+    assert sse is not None
+    return await sse.close()
+
+
+async def _complete(
+    sse: SseWriter | None,
+    body: CompletionBody,
+    lease: Lease,
+    reqs: list[GenerationRequest],
+    echoes: list[str],
+    prompts: list[list[int]],
+) -> dict[str, Any] | None:
+    head = {
+        "id": new_id("cmpl-"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model,
+    }
+    with_usage = sse is not None and include_usage(body)
+    texts = list(echoes)
+    logprobs = [_Logprobs(len(e)) for e in echoes]
+    finish: dict[int, str] = {}
+    usages: dict[int, Usage] = {}
+
+    async def send(index: int, text: str, lps: Any = None, reason: str | None = None) -> None:
+        if sse is None:
+            return
+        choice = {"text": text, "index": index, "logprobs": lps, "finish_reason": reason}
+        frame = {**head, "choices": [choice]}
+        if with_usage:
+            frame["usage"] = None
+        await sse.send(frame)
+
+    for i, echo in enumerate(echoes):
+        if echo:
+            await send(i, echo)
+    live = [i for i, r in enumerate(reqs) if r.max_tokens != 0]
+    for i in set(range(len(reqs))) - set(live):
+        finish[i] = "length"
+        await send(i, "", None, "length")
+    streams = [_generate(lease.engine, reqs[i]) for i in live]
+    async for k, event in merged(streams):
+        i = live[k]
+        if isinstance(event, Delta):
+            texts[i] += event.text
+            lps = logprobs[i].add(event.logprobs) if body.logprobs is not None else None
+            if event.text or event.logprobs:
+                await send(i, event.text, lps)
+        else:
+            reason = event.finish_reason.value
+            finish[i] = "stop" if reason == "cancelled" else reason
+            usages[i] = event.usage
+            await send(i, "", None, finish[i])
+    if len(finish) != len(reqs):
+        raise BarrelError("the generation ended without a result")
+    usage = _usage(prompts, usages, body.n)
+    if sse is not None:
+        if with_usage:
+            await sse.send({**head, "choices": [], "usage": usage})
+        await sse.done()
+        return None
+    choices = [
+        {
+            "text": texts[i],
+            "index": i,
+            "logprobs": logprobs[i].json() if body.logprobs is not None else None,
+            "finish_reason": finish[i],
+        }
+        for i in range(len(reqs))
+    ]
+    return {**head, "choices": choices, "usage": usage}
+
+
+# -- tokenizer ----------------------------------------------------------------------------
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    model: str = ""
+    content: str = ""
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    model: str = ""
+    tokens: list[int] = msgspec.field(default_factory=list)
+
+
+@routes.post("/tokenize")
+async def tokenize(request: web.Request) -> web.Response:
+    body = await decode(request, TokenizeBody)
+    lifecycle = request.app[LIFECYCLE]
+    lease = await lifecycle.acquire(body.model)
+    try:
+        model = lease.engine.model
+        ids = await asyncio.to_thread(model.tokenize, body.content, add_special=body.add_special)
+        if not body.with_pieces:
+            return web.json_response({"tokens": ids})
+        pieces = [
+            {"id": t, "piece": model.piece(t, special=True).decode(errors="replace")} for t in ids
+        ]
+        return web.json_response({"tokens": pieces})
+    finally:
+        await lifecycle.release(lease)
+
+
+@routes.post("/detokenize")
+async def detokenize(request: web.Request) -> web.Response:
+    body = await decode(request, DetokenizeBody)
+    lifecycle = request.app[LIFECYCLE]
+    lease = await lifecycle.acquire(body.model)
+    try:
+        model = lease.engine.model
+        if any(t < 0 or t >= model.n_vocab for t in body.tokens):
+            raise InvalidRequest(f"token ids must be below {model.n_vocab}", param="tokens")
+        text = await asyncio.to_thread(model.detokenize, body.tokens)
+    finally:
+        await lifecycle.release(lease)
+    return web.json_response({"content": text})

@@ -1,0 +1,168 @@
+"""OpenAI's GET /v1/models, GET /v1/models/{id} and POST /v1/embeddings.
+
+Models are the local files registered at boot and the store's models, plus each alias
+whose target exists; retrieving an alias answers with the alias as `id` and its target
+as `root`. Embeddings open the model's embedding context (as /api/embed does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from barrel.actors import bridge
+from barrel.actors.catalog import Catalog
+from barrel.actors.store_actor import StoreActor
+from barrel.errors import InvalidRequest, NotFound
+from barrel.http.keys import CONFIG, LIFECYCLE, RUNTIME
+from barrel.http.ollama_gen import shorten_embedding
+from barrel.http.openai_common import decode
+
+routes = web.RouteTableDef()
+
+STORE_TIMEOUT = 30.0
+
+
+async def _models(request: web.Request) -> dict[str, int]:
+    """Every servable model name with its creation time (Unix seconds)."""
+    registry = request.app[RUNTIME].registry
+    out: dict[str, int] = {}
+    for local in await bridge.call(registry.get("catalog"), Catalog.list_models):
+        mtime = (await asyncio.to_thread(local.path.stat)).st_mtime
+        out[local.name] = int(mtime)
+    records = await bridge.call(
+        registry.get("store"), StoreActor.list_models, timeout=STORE_TIMEOUT
+    )
+    for rec in records:
+        out.setdefault(str(rec.name), int(rec.modified_at))
+    return out
+
+
+def _entry(name: str, created: int, root: str | None = None) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "barrel",
+    }
+    if root is not None and root != name:
+        entry["root"] = root
+    return entry
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    models = await _models(request)
+    data = [_entry(name, created) for name, created in models.items()]
+    for alias, target in request.app[CONFIG].models.aliases.items():
+        if target in models and alias not in models:
+            data.append(_entry(alias, models[target], target))
+    return web.json_response({"object": "list", "data": data})
+
+
+@routes.get("/v1/models/{id:.+}")
+async def retrieve_model(request: web.Request) -> web.Response:
+    asked = request.match_info["id"]
+    name = request.app[CONFIG].resolve_alias(asked)
+    models = await _models(request)
+    if name not in models:
+        try:  # a name the store resolves (a default tag, a full registry path)
+            rec = await bridge.call(
+                request.app[RUNTIME].registry.get("store"),
+                StoreActor.get,
+                name,
+                timeout=STORE_TIMEOUT,
+            )
+        except NotFound:
+            raise NotFound(f"the model {asked!r} does not exist", param="model") from None
+        return web.json_response(_entry(asked, int(rec.modified_at), str(rec.name)))
+    return web.json_response(_entry(asked, models[name], name))
+
+
+# -- embeddings ---------------------------------------------------------------------------
+
+
+class EmbeddingsBody(msgspec.Struct, kw_only=True):
+    model: str = ""
+    input: Any = None  # a string, strings, token ids or lists of token ids
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+def _inputs(raw: Any, cap: int) -> list[str | list[int]]:
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
+        items = [raw]  # one input given as token ids
+    elif isinstance(raw, list):
+        items = raw
+    else:
+        raise InvalidRequest("input must be a string, strings or token ids", param="input")
+    if not 1 <= len(items) <= cap:
+        raise InvalidRequest(f"input must hold 1 to {cap} items", param="input")
+    for i, item in enumerate(items):
+        ok_text = isinstance(item, str) and item != ""
+        ok_ids = (
+            isinstance(item, list) and item and all(isinstance(t, int) and t >= 0 for t in item)
+        )
+        if not (ok_text or ok_ids):
+            raise InvalidRequest(
+                "each input must be a non-empty string or a non-empty list of token ids",
+                param=f"input[{i}]",
+            )
+    return items
+
+
+def _encode(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "base64":  # little-endian float32, as OpenAI sends it
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return vector
+
+
+@routes.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    body = await decode(request, EmbeddingsBody)
+    items = _inputs(body.input, request.app[CONFIG].limits.max_embedding_inputs)
+    if body.encoding_format not in ("float", "base64"):
+        raise InvalidRequest("encoding_format must be float or base64", param="encoding_format")
+    if body.dimensions is not None and body.dimensions < 1:
+        raise InvalidRequest("dimensions must be at least 1", param="dimensions")
+    lifecycle = request.app[LIFECYCLE]
+    lease = await lifecycle.embedder(body.model)
+    try:
+        model = lease.engine.model
+        if any(t >= model.n_vocab for item in items if isinstance(item, list) for t in item):
+            raise InvalidRequest(f"token ids must be below {model.n_vocab}", param="input")
+        tokens = await asyncio.to_thread(
+            lambda: [model.tokenize(t) if isinstance(t, str) else list(t) for t in items]
+        )
+        vectors = await lease.engine.embed(tokens)
+    finally:
+        await lifecycle.release(lease)
+    if body.dimensions is not None and vectors and body.dimensions > len(vectors[0]):
+        raise InvalidRequest(
+            f"dimensions must be at most {len(vectors[0])} for this model", param="dimensions"
+        )
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": _encode(shorten_embedding(v, body.dimensions), body.encoding_format),
+        }
+        for i, v in enumerate(vectors)
+    ]
+    n = sum(len(t) for t in tokens)
+    return web.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "model": body.model,
+            "usage": {"prompt_tokens": n, "total_tokens": n},
+        }
+    )
