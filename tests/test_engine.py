@@ -104,11 +104,30 @@ async def test_max_tokens_and_full_context_end_with_length(model: LlamaModel) ->
         e.stop()
 
 
+@pytest.mark.parametrize(("gather_s", "steps"), [(0.25, 1), (0.0, 2)])
+async def test_requests_arriving_together_share_the_first_step(
+    model: LlamaModel, gather_s: float, steps: int
+) -> None:
+    """An idle engine waits `gather_s` for others to join a request's first step; a
+    request that misses it waits a whole step for its first token."""
+    e = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=2, gather_s=gather_s)).start()
+    try:
+        first = e.submit(req(model, "Hello world", max_tokens=1))
+        await asyncio.sleep(0.05)  # a concurrent client, a little later
+        second = e.submit(req(model, "Once upon a time", max_tokens=1))
+        await first.collect()
+        await second.collect()
+        assert e.steps == steps
+    finally:
+        e.stop()
+
+
 async def test_cancelled_sequence_frees_its_slot_within_one_step(model: LlamaModel) -> None:
     e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=1)).start()
     try:
         first = e.submit(req(model, "Hello world", max_tokens=1000))
-        second = e.submit(req(model, "Once upon a time", max_tokens=5))
+        # one token: no step of its own after the one the count below looks at
+        second = e.submit(req(model, "Once upon a time", max_tokens=1))
         await anext(first)
         cancelled_at = e.steps
         first.cancel()

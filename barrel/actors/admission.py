@@ -60,9 +60,16 @@ class Admission(Child):
         self._grant(q)
 
     def enqueue(
-        self, model: str, loop: asyncio.AbstractEventLoop, notify: Notify
+        self,
+        model: str,
+        loop: asyncio.AbstractEventLoop,
+        notify: Notify,
+        limits: QueueLimits | None = None,
     ) -> tuple[int, int]:
-        """Returns (ticket, position): position 0 means admitted now."""
+        """Returns (ticket, position): position 0 means admitted now. `limits` (the
+        model's, as `configure` sets them) come with the request: one message, not two."""
+        if limits is not None:
+            self.configure(model, limits)
         q = self._queues.setdefault(model, _Queue(self.default))
         ticket = next(self._tickets)
         if len(q.running) < q.limits.concurrency and not q.waiting:

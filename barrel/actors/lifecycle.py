@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 ADMISSION, KEEPALIVE, LOADER = "admission", "keepalive", "loader"
 LOAD_ASK_TIMEOUT = 120.0
 LOAD_PROGRESS_S = 2.0
+LOCAL_SPEC_TTL_S = 2.0
 
 
 @dataclass
@@ -59,6 +61,9 @@ class Lifecycle:
         self.progress_every = LOAD_PROGRESS_S
         # GGUF metadata of local files, by (path, size, mtime): read once, not per request.
         self._local_meta: dict[tuple[str, int, int], dict[str, Any]] = {}
+        # Specs of local files, each reused for LOCAL_SPEC_TTL_S: a request to a busy
+        # model then makes no catalog call and no stat on its way to the engine.
+        self._local_specs: dict[str, tuple[float, ModelSpec]] = {}
 
     # -- resolution -------------------------------------------------------------------
 
@@ -66,11 +71,17 @@ class Lifecycle:
         """What loading `model` means: file, context, sequences (400/404 before any
         slow work)."""
         name = self.config.resolve_alias(model)
+        now = time.monotonic()
+        cached = self._local_specs.get(name)
+        if cached is not None and now - cached[0] < LOCAL_SPEC_TTL_S:
+            return cached[1]
         catalog = self.registry.get("catalog")
         try:
             local = await bridge.call(catalog, Catalog.lookup, name)
             meta = await self._meta_of(local.path)
-            return self._spec(name, local.path, local.size, meta, {}, {}, "")
+            spec = self._spec(name, local.path, local.size, meta, {}, {}, "")
+            self._local_specs[name] = (now, spec)
+            return spec
         except NotFound:
             pass
         rec = await bridge.call(self.registry.get("store"), StoreActor.get, name)
@@ -176,7 +187,6 @@ class Lifecycle:
         name = spec.name
         admission = self.registry.get(ADMISSION)
         limits = QueueLimits(spec.engine.n_seq_max, spec.queue_depth)
-        await bridge.call(admission, Admission.configure, name, limits)
         loop = asyncio.get_running_loop()
         admitted = asyncio.Event()
 
@@ -186,7 +196,9 @@ class Lifecycle:
             elif on_queued is not None:
                 on_queued(position)
 
-        ticket, position = await bridge.call(admission, Admission.enqueue, name, loop, notify)
+        ticket, position = await bridge.call(
+            admission, Admission.enqueue, name, loop, notify, limits
+        )
         try:
             if position > 0:
                 if on_queued is not None:
@@ -317,6 +329,4 @@ def keep_alive_seconds(value: Any, default: str) -> float:
 
 
 def _iso(ts: float) -> str:
-    import time
-
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))

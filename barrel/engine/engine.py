@@ -300,7 +300,10 @@ class Engine:
     def _main(self) -> None:
         try:
             while not self._stopped.is_set():
+                idle = not self._active and not self._pinning
                 self._drain(block=not self._has_work())
+                if idle and self._waiting and self.options.gather_s > 0:
+                    self._gather(self.options.gather_s)
                 if self._stopped.is_set():
                     break
                 self._admit()
@@ -359,6 +362,15 @@ class Engine:
             self._handle(cmd)
             try:
                 cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _gather(self, seconds: float) -> None:
+        """Requests that arrive within `seconds` join the first step."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self._handle(self._inbox.get(timeout=left))
             except queue.Empty:
                 return
 

@@ -372,11 +372,14 @@ async def _stream(
             frame["usage"] = None
         await sse.send(frame)
 
-    for i in range(len(runs)):
-        await send(i, {"role": "assistant", "content": ""})
     calls = [0] * len(runs)
     finished: list[Finished | None] = [None] * len(runs)
+    opened = False
     async for i, event in merged(runs):
+        if not opened:  # after the engine has the request: nothing in its way
+            opened = True
+            for k in range(len(runs)):
+                await send(k, {"role": "assistant", "content": ""})
         if isinstance(event, TextDelta) and (event.text or event.logprobs):
             lps = _logprobs(event.logprobs) if body.logprobs and event.logprobs else None
             await send(i, {"content": event.text}, logprobs=lps)
