@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ollama
 import openai
 import pytest
 from pydantic import BaseModel
@@ -57,6 +58,7 @@ def _daemon(tmp: Path, qwen_path: Path, tiny_path: Path, extra: str = "") -> Dae
     return serve_models(
         tmp,
         {"qwen": qwen_path, "tiny": tiny_path},
+        f'import_dir = "{qwen_path.parent}"\n'
         'aliases = { coder = "qwen", ghost = "not-there" }\n' + extra,
     )
 
@@ -295,6 +297,39 @@ def test_developer_role_and_text_parts(client: openai.OpenAI) -> None:
         ],
     )
     assert "banana" in (r.choices[0].message.content or "").lower()
+
+
+async def test_reasoning_content_with_a_thinking_template(
+    aclient: openai.AsyncOpenAI, daemon: Daemon, qwen_path: Path, llama_templates: Path
+) -> None:
+    template = (llama_templates / "Qwen-Qwen3-0.6B.jinja").read_text()
+    await ollama.AsyncClient(host=daemon.url, timeout=300).create(
+        model="qwen-think", from_=str(qwen_path), template=template
+    )
+    stream = await aclient.chat.completions.create(
+        model="qwen-think",
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=40,
+        reasoning_effort="minimal",  # a 64-token reasoning budget
+        stream=True,
+    )
+    reasoning, content = "", ""
+    async for chunk in stream:
+        if chunk.choices:
+            extra = chunk.choices[0].delta.model_extra or {}
+            reasoning += extra.get("reasoning_content") or ""
+            content += chunk.choices[0].delta.content or ""
+    assert reasoning.strip()
+    assert "<think>" not in content
+    assert content.strip()
+    # effort "none" turns thinking off: no reasoning at all
+    plain = await aclient.chat.completions.create(
+        model="qwen-think", messages=QUESTION, temperature=0, max_tokens=30, reasoning_effort="none"
+    )
+    message = plain.choices[0].message
+    assert not (message.model_extra or {}).get("reasoning_content")
+    assert "Paris" in (message.content or "")
 
 
 # -- errors ---------------------------------------------------------------------------------

@@ -56,6 +56,8 @@ from barrel.pipeline.templates import ChatTemplate
 routes = web.RouteTableDef()
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# reasoning tokens allowed before the thinking block is closed for the model
+EFFORT_BUDGETS = {"minimal": 64, "low": 256, "medium": 512, "high": 1024, "xhigh": 2048}
 FINGERPRINT = f"barrel-{__version__}"
 
 
@@ -238,8 +240,9 @@ def thinking_of(
     effort: str | None, kwargs: dict[str, Any], template: ChatTemplate
 ) -> tuple[bool | None, dict[str, Any]]:
     """reasoning_effort: "none" turns thinking off; another effort turns it on for a
-    template that knows <think> blocks, and reaches the template as `reasoning_effort`.
-    An explicit chat_template_kwargs.enable_thinking wins."""
+    template that knows <think> blocks, sets the reasoning budget (EFFORT_BUDGETS) and
+    reaches the template as `reasoning_effort`. An explicit
+    chat_template_kwargs.enable_thinking wins."""
     kwargs = dict(kwargs)
     if effort and effort != "none":
         kwargs.setdefault("reasoning_effort", effort)
@@ -262,6 +265,7 @@ def for_model(
     req.thinking, req.template_kwargs = thinking_of(
         body.reasoning_effort, body.chat_template_kwargs or {}, template
     )
+    req.reasoning_budget = EFFORT_BUDGETS.get(body.reasoning_effort or "", req.reasoning_budget)
     conversation = request.headers.get("x-conversation-id") or body.prompt_cache_key
     req.session = derive_session(lease.spec.name, req.messages, conversation)
     return req

@@ -23,7 +23,7 @@ from barrel.actors.lifecycle import Lease
 from barrel.errors import BarrelError, InvalidRequest, NotFound
 from barrel.http.keys import METRICS
 from barrel.http.leases import check_limits, prepare_on, template_of, with_model_messages
-from barrel.http.openai_chat import EFFORTS, text_of, thinking_of
+from barrel.http.openai_chat import EFFORT_BUDGETS, EFFORTS, text_of, thinking_of
 from barrel.http.openai_common import (
     Knobs,
     check_knobs,
@@ -231,7 +231,9 @@ def for_model(
     req = dataclasses.replace(req)
     req.messages, _ = with_model_messages(lease, req.messages)
     req.sampling, req.max_tokens, req.stop = sampling_for(body, lease, None)
-    req.thinking, req.template_kwargs = thinking_of(_effort(body), {}, template)
+    effort = _effort(body)
+    req.thinking, req.template_kwargs = thinking_of(effort, {}, template)
+    req.reasoning_budget = EFFORT_BUDGETS.get(effort or "", req.reasoning_budget)
     conversation = request.headers.get("x-conversation-id") or body.prompt_cache_key
     req.session = derive_session(lease.spec.name, req.messages, conversation)
     return req
