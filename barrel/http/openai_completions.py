@@ -20,7 +20,6 @@ from barrel.actors.lifecycle import Lease
 from barrel.engine.engine import Engine
 from barrel.engine.types import Delta, Done, GenerationRequest, TokenLogprob, Usage
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.http.keys import LIFECYCLE
 from barrel.http.leases import fim_prompt
 from barrel.http.openai_common import (
     Knobs,
@@ -264,31 +263,23 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
 @routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
     body = await decode(request, TokenizeBody)
-    lifecycle = request.app[LIFECYCLE]
-    lease = await lifecycle.acquire(body.model)
-    try:
+    async with leased(request, body.model, None) as lease:
         model = lease.engine.model
         ids = await asyncio.to_thread(model.tokenize, body.content, add_special=body.add_special)
-        if not body.with_pieces:
-            return web.json_response({"tokens": ids})
-        pieces = [
-            {"id": t, "piece": model.piece(t, special=True).decode(errors="replace")} for t in ids
-        ]
-        return web.json_response({"tokens": pieces})
-    finally:
-        await lifecycle.release(lease)
+    if not body.with_pieces:
+        return web.json_response({"tokens": ids})
+    pieces = [
+        {"id": t, "piece": model.piece(t, special=True).decode(errors="replace")} for t in ids
+    ]
+    return web.json_response({"tokens": pieces})
 
 
 @routes.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
     body = await decode(request, DetokenizeBody)
-    lifecycle = request.app[LIFECYCLE]
-    lease = await lifecycle.acquire(body.model)
-    try:
+    async with leased(request, body.model, None) as lease:
         model = lease.engine.model
         if any(t < 0 or t >= model.n_vocab for t in body.tokens):
             raise InvalidRequest(f"token ids must be below {model.n_vocab}", param="tokens")
         text = await asyncio.to_thread(model.detokenize, body.tokens)
-    finally:
-        await lifecycle.release(lease)
     return web.json_response({"content": text})
