@@ -19,15 +19,10 @@ from aiohttp import web
 
 from barrel.config import Config
 from barrel.http.app import make_app
+from barrel.http.keys import RUNTIME
+from barrel.notify import notify, watchdog_interval
 
 logger = logging.getLogger(__name__)
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
 
 
 def serve(config: Config, local_models: Mapping[str, str]) -> int:
@@ -46,17 +41,40 @@ async def _serve(config: Config, local_models: Mapping[str, str]) -> int:
         exit_code = 1
         stop.set()
 
-    app = make_app(config, local_models=local_models, on_fatal=fatal)
+    def ready() -> None:
+        where = f"{config.server.host}:{config.server.port}"
+        notify("READY=1\nSTATUS=serving on " + where)
+
+    def stopping() -> None:
+        notify("STOPPING=1")
+        stop.set()
+
+    app = make_app(config, local_models=local_models, on_fatal=fatal, on_ready=ready)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stopping)
+    watchdog = asyncio.create_task(_watchdog(app), name="barrel-watchdog")
     try:
         listened = await run_server(
             app, config.server.host, config.server.port, config.server.shutdown_grace_s, stop
         )
     finally:
+        watchdog.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     return exit_code if listened else 1
+
+
+async def _watchdog(app: web.Application) -> None:
+    """WATCHDOG=1 every half WatchdogSec while the loop runs and the tree's root lives:
+    a stuck loop or a dead tree lets systemd restart the daemon."""
+    interval = watchdog_interval()
+    if interval is None:
+        return
+    runtime = app[RUNTIME]
+    while True:
+        if runtime.root_exit is None:
+            notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
 
 
 async def run_server(

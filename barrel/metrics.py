@@ -6,7 +6,10 @@ run several apps in one process.
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -58,6 +61,11 @@ class Metrics:
         )
 
         self.engine = _EngineFamilies(self.registry)
+        # What `barrel top` shows (GET /api/status), kept beside the Prometheus families.
+        self.live: dict[str, LiveStats] = {}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
+        self.restart_counts: dict[str, int] = defaultdict(int)
+        self.started = time.time()
         self.template_render = Histogram(
             "barrel_pipeline_template_render_seconds",
             "Chat template rendering time",
@@ -77,7 +85,8 @@ class Metrics:
 
     def engine_observer(self, model: str) -> EngineMetrics:
         """The observer an engine reports to, labelled with `model`."""
-        return EngineMetrics(self.engine, model)
+        live = self.live.setdefault(model, LiveStats())
+        return EngineMetrics(self.engine, model, live)
 
     def pipeline_timings(self, render_s: float, parse_s: float) -> None:
         """The chat pipeline's `timings` callback."""
@@ -87,9 +96,40 @@ class Metrics:
     # SupervisorObserver
     def child_restarted(self, child_id: str) -> None:
         self.restarts.labels(child=child_id).inc()
+        self.restart_counts[child_id] += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+RECENT_REQUESTS = 20
+TPS_WINDOW_S = 5.0
+
+
+class LiveStats:
+    """One model's recent activity, written by its engine thread and read by the event
+    loop (deque appends and int updates are atomic under the GIL)."""
+
+    def __init__(self) -> None:
+        self.token_times: deque[float] = deque(maxlen=8192)
+        self.active = 0
+        self.kv_cells = 0
+        self.reused = 0
+        self.computed = 0
+        self.generated = 0
+        self.requests = 0
+
+    def tokens_per_s(self, now: float | None = None) -> float:
+        """Generated tokens per second over the last TPS_WINDOW_S seconds."""
+        now = time.monotonic() if now is None else now
+        recent = [t for t in list(self.token_times) if t >= now - TPS_WINDOW_S]
+        if not recent:
+            return 0.0
+        return len(recent) / max(1.0, now - recent[0])
+
+    def cache_hit_ratio(self) -> float:
+        total = self.reused + self.computed
+        return self.reused / total if total else 0.0
 
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -134,7 +174,8 @@ class EngineMetrics:
     """An `EngineObserver`: called from the engine thread (prometheus_client is
     thread-safe)."""
 
-    def __init__(self, families: _EngineFamilies, model: str) -> None:
+    def __init__(self, families: _EngineFamilies, model: str, live: LiveStats) -> None:
+        self.live = live
         f = families
         self._computed = f.prompt_tokens.labels(model, "computed")
         self._reused = f.prompt_tokens.labels(model, "reused")
@@ -153,12 +194,15 @@ class EngineMetrics:
         self._step.observe(seconds)
         self._active.set(active)
         self._kv.set(kv_cells)
+        self.live.active, self.live.kv_cells = active, kv_cells
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
+        self.live.token_times.append(time.monotonic())
 
     def inter_token(self, seconds: float) -> None:
         self._itl.observe(seconds)
+        self.live.token_times.append(time.monotonic())
 
     def finished(self, done: Done) -> None:
         usage, timings = done.usage, done.timings
@@ -166,6 +210,11 @@ class EngineMetrics:
         self._computed.inc(usage.prompt_computed)
         self._reused.inc(usage.prompt_reused)
         self._generated.inc(usage.completion_tokens)
+        live = self.live
+        live.reused += usage.prompt_reused
+        live.computed += usage.prompt_computed
+        live.generated += usage.completion_tokens
+        live.requests += 1
         if timings.prefill_s > 0:
             self._prefill.observe(timings.prefill_s)
         if timings.decode_s > 0:

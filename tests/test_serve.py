@@ -163,4 +163,4 @@ def test_port_in_use_exits_1(tmp_path: Path, daemon: Daemon) -> None:
         timeout=30,
     )
     assert proc.returncode == 1
-    assert "cannot listen" in proc.stderr
+    assert "cannot listen" in proc.stdout  # logs go to stdout (journald-friendly)

@@ -86,6 +86,10 @@ class PullCoordinator(Child):
     def unsubscribe(self, token: int) -> None:
         self._subscribers.pop(token, None)
 
+    def progress(self) -> dict[str, Any]:
+        """The latest event (a blob's completed/total while it downloads)."""
+        return dict(self._history[-1]) if self._history else {"status": "starting"}
+
     # -- messages -----------------------------------------------------------------
 
     def on_receive(self, message: Any) -> Any:

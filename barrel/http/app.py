@@ -27,8 +27,18 @@ from barrel.http import (
     openai_completions,
     openai_models,
     openai_responses,
+    status,
 )
-from barrel.http.keys import CONFIG, LIFECYCLE, METRICS, ON_FATAL, RUNTIME, STORE
+from barrel.http.keys import (
+    CONFIG,
+    LIFECYCLE,
+    METRICS,
+    ON_FATAL,
+    ON_READY,
+    RESIDENCY,
+    RUNTIME,
+    STORE,
+)
 from barrel.http.middlewares import MIDDLEWARES, decorate_response
 from barrel.http.response_store import ResponseStore
 from barrel.metrics import Metrics
@@ -45,6 +55,7 @@ def make_app(
     local_models: Mapping[str, str] | None = None,
     tree: TreeBuilder | None = None,
     on_fatal: Callable[[str], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> web.Application:
     """Build the app. The tree boots in a worker thread after the server starts
     listening, so /health answers (and /health/ready says 503) while it comes up."""
@@ -56,11 +67,13 @@ def make_app(
     app[CONFIG] = config
     app[METRICS] = metrics
     app[ON_FATAL] = on_fatal or (lambda why: logger.critical("fatal: %s", why))
+    app[ON_READY] = on_ready or (lambda: None)
     models = {**config.models.local, **(local_models or {})}
     store = ModelStore(config.cache_root, config.import_dir)
     app[STORE] = store
     timers = Timers()
     tracker = ResidencyTracker()
+    app[RESIDENCY] = tracker
     metrics.watch_residency(tracker.resident)
     build = tree or (lambda env: daemon_tree(config, env, models, store, timers, tracker, metrics))
     env = SupervisorEnv(Registry(), timers.clock, metrics)
@@ -76,6 +89,7 @@ def make_app(
     app.router.add_routes(openai_completions.routes)
     app.router.add_routes(openai_models.routes)
     app.router.add_routes(openai_responses.routes)
+    app.router.add_routes(status.routes)
     app[openai_responses.STORE] = ResponseStore(
         config.responses.store_ttl_s, config.responses.max_stored
     )
@@ -98,6 +112,8 @@ async def _tree_lifecycle(app: web.Application) -> AsyncIterator[None]:
         except Exception as exc:  # noqa: BLE001 - any boot failure is fatal
             logger.critical("supervision tree failed to start: %s", exc)
             app[ON_FATAL](f"supervision tree failed to start: {exc}")
+            return
+        app[ON_READY]()
 
     boot_task = asyncio.create_task(boot(), name="barrel-boot")
     yield

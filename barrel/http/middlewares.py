@@ -26,6 +26,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _UNAUTHENTICATED_PATHS = frozenset({"/health", "/health/ready"})
+# Polled by monitors: not "recent requests" in /api/status.
+_QUIET_PATHS = frozenset({"/health", "/health/ready", "/metrics", "/api/status"})
 
 
 def _route_label(request: web.Request) -> str:
@@ -52,6 +54,17 @@ async def access_log(request: web.Request, handler: Handler) -> web.StreamRespon
         metrics = request.app[METRICS]
         metrics.http_requests.labels(request.method, route, str(status)).inc()
         metrics.http_duration.labels(route).observe(elapsed)
+        if request.path not in _QUIET_PATHS:
+            metrics.recent.append(
+                {
+                    "time": time.time(),
+                    "method": request.method,
+                    "path": request.path,
+                    "status": status,
+                    "duration_ms": round(elapsed * 1000, 1),
+                    "request_id": request[REQUEST_ID],
+                }
+            )
         if request.app[CONFIG].server.access_log:
             access_logger.info(
                 '%s "%s %s HTTP/%d.%d" %d %.1fms %s',

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import urllib.error
-import urllib.request
 
 import msgspec
 
@@ -23,6 +19,11 @@ def _parse_model(value: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
     return name, path
+
+
+def _with_host(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--host", default=None, help="daemon address (else $BARREL_HOST)")
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,39 +46,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", help="debug, info, warning or error")
 
-    prune = sub.add_parser("prune", help="remove blobs no model uses and stale partial downloads")
-    prune.add_argument("--host", default=None, help="daemon URL (else $BARREL_HOST)")
+    def command(name: str, text: str, *aliases: str) -> argparse.ArgumentParser:
+        return _with_host(sub.add_parser(name, help=text, aliases=list(aliases)))
 
-    sub.add_parser("version", help="print the version")
+    pull = command("pull", "download a model from a registry, Hugging Face or a URL")
+    pull.add_argument("model")
+    pull.add_argument("--insecure", action="store_true", help="allow plain-http registries")
+    command("list", "list the models", "ls")
+    command("ps", "list the loaded models")
+    show = command("show", "show a model's details")
+    show.add_argument("model")
+    for flag in ("modelfile", "parameters", "template", "system", "license"):
+        show.add_argument(f"--{flag}", action="store_true", help=f"print only its {flag}")
+    rm = command("rm", "remove models")
+    rm.add_argument("models", nargs="+")
+    cp = command("cp", "copy a model under a new name")
+    cp.add_argument("source")
+    cp.add_argument("destination")
+    create = command("create", "create a model from a Modelfile")
+    create.add_argument("model")
+    create.add_argument("-f", "--file", default="Modelfile", help="the Modelfile")
+    edit = command("edit", "set a model's parameters")
+    edit.add_argument("model")
+    edit.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="a parameter"
+    )
+    search = command("search", "search the local store and the registries")
+    search.add_argument("query")
+    run = command("run", "chat with a model (interactive without PROMPT)")
+    run.add_argument("model")
+    run.add_argument("prompt", nargs="*")
+    embed = command("embed", "print embeddings, one JSON array per input")
+    embed.add_argument("model")
+    embed.add_argument("inputs", nargs="+")
+    stop = command("stop", "unload a model now", "unload")
+    stop.add_argument("model")
+    command("prune", "remove blobs no model uses and stale partial downloads")
+    top = command("top", "live status of the daemon")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    command("version", "print the versions of this client and the daemon")
     return parser
-
-
-def _daemon_url(host: str | None) -> str:
-    url = host or os.environ.get("BARREL_HOST") or "http://127.0.0.1:8080"
-    return url if "://" in url else f"http://{url}"
-
-
-def _prune(args: argparse.Namespace) -> int:
-    url = _daemon_url(args.host)
-    req = urllib.request.Request(f"{url}/api/prune", data=b"{}", method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            result = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        print(
-            f"barrel: prune failed: HTTP {exc.code} {exc.read().decode(errors='replace')}",
-            file=sys.stderr,
-        )
-        return 1
-    except OSError as exc:
-        print(
-            f"barrel: cannot reach the daemon at {url} ({exc}); start it with `barrel serve`",
-            file=sys.stderr,
-        )
-        return 1
-    blobs, partials = len(result.get("removed_blobs", [])), result.get("removed_partials", 0)
-    print(f"removed {blobs} unused blobs and {partials} partial downloads")
-    return 0
 
 
 def _apply_flags(cfg: config.Config, args: argparse.Namespace) -> config.Config:
@@ -98,6 +106,7 @@ def _apply_flags(cfg: config.Config, args: argparse.Namespace) -> config.Config:
 
 def _serve(args: argparse.Namespace) -> int:
     from barrel import daemon  # the HTTP stack is only imported to serve
+    from barrel.notify import setup_logging
 
     try:
         cfg = _apply_flags(config.load(args.config), args)
@@ -107,20 +116,17 @@ def _serve(args: argparse.Namespace) -> int:
     except BarrelError as exc:
         print(f"barrel: {exc.message}", file=sys.stderr)
         return EXIT_USAGE
-    daemon.setup_logging(cfg.server.log_level)
+    setup_logging(cfg.server.log_level)
     return daemon.serve(cfg, local)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "version":
-        print(__version__)
-        return 0
     if args.command == "serve":
         return _serve(args)
-    if args.command == "prune":
-        return _prune(args)
-    return EXIT_USAGE
+    from barrel.cli.commands import dispatch  # the client side only
+
+    return dispatch(args)
 
 
 def run() -> None:

@@ -1,0 +1,121 @@
+"""`barrel run MODEL [PROMPT]`: one answer, or an interactive chat with streamed output.
+
+Interactive commands: /bye, /set parameter NAME VALUE, /set system TEXT, /clear, /?.
+Text between triple quotes spans several lines. Piped stdin is the prompt (after PROMPT,
+when both are given) and gets one answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any, TextIO
+
+from barrel.client import BarrelClient
+
+HELP = """Commands:
+  /set parameter NAME VALUE   set a sampling option (temperature, num_predict, ...)
+  /set system TEXT            set the system message
+  /clear                      forget the conversation
+  /bye                        leave
+Use \"\"\" to begin and end a message that spans several lines."""
+
+
+def _value(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+async def answer(
+    client: BarrelClient,
+    model: str,
+    messages: list[dict[str, Any]],
+    options: dict[str, Any],
+    out: TextIO,
+) -> str:
+    parts = []
+    async for event in client.chat(model, messages, options=options or None):
+        piece = (event.get("message") or {}).get("content", "")
+        if piece:
+            out.write(piece)
+            out.flush()
+            parts.append(piece)
+    out.write("\n")
+    out.flush()
+    return "".join(parts)
+
+
+async def _read(prompt: str) -> str:
+    return await asyncio.to_thread(input, prompt)
+
+
+async def _message() -> str | None:
+    """One user message (None at end of input); triple quotes span lines."""
+    try:
+        line = await _read(">>> ")
+    except EOFError:
+        return None
+    if not line.lstrip().startswith('"""'):
+        return line
+    text = line.lstrip()[3:]
+    lines = [text]
+    while not lines[-1].rstrip().endswith('"""'):
+        try:
+            lines.append(await _read("... "))
+        except EOFError:
+            break
+    joined = "\n".join(lines).rstrip()
+    return joined[:-3] if joined.endswith('"""') else joined
+
+
+async def interactive(client: BarrelClient, model: str, out: TextIO) -> int:
+    await client.load(model)  # fail early (unknown model) and load before the first prompt
+    messages: list[dict[str, Any]] = []
+    options: dict[str, Any] = {}
+    system: str | None = None
+    while True:
+        text = await _message()
+        if text is None:
+            return 0
+        stripped = text.strip()
+        if stripped in ("/bye", "/exit"):
+            return 0
+        if stripped.startswith("/set parameter "):
+            parts = stripped.split(maxsplit=3)
+            if len(parts) != 4:
+                out.write("Usage: /set parameter NAME VALUE\n")
+                continue
+            options[parts[2]] = _value(parts[3])
+            out.write(f"Set parameter '{parts[2]}' to '{parts[3]}'\n")
+        elif stripped.startswith("/set system "):
+            system = stripped.removeprefix("/set system ").strip()
+            out.write("Set system message.\n")
+        elif stripped == "/clear":
+            messages = []
+            out.write("Cleared the conversation.\n")
+        elif stripped in ("/?", "/help"):
+            out.write(HELP + "\n")
+        elif stripped.startswith("/"):
+            out.write(f"Unknown command '{stripped.split()[0]}'. Type /? for help.\n")
+        elif stripped:
+            messages.append({"role": "user", "content": text})
+            head = [{"role": "system", "content": system}] if system else []
+            reply = await answer(client, model, [*head, *messages], options, out)
+            messages.append({"role": "assistant", "content": reply})
+        out.flush()
+
+
+async def run_model(client: BarrelClient, model: str, prompt: str | None) -> int:
+    out = sys.stdout
+    if not sys.stdin.isatty():
+        piped = await asyncio.to_thread(sys.stdin.read)
+        if piped.strip():
+            prompt = f"{prompt}\n{piped}" if prompt else piped
+    if prompt is None:
+        return await interactive(client, model, out)
+    await answer(client, model, [{"role": "user", "content": prompt}], {}, out)
+    return 0

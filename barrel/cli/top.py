@@ -1,0 +1,106 @@
+"""`barrel top`: a live view of GET /api/status, refreshed every second."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from barrel.client import BarrelClient
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _models(status: dict[str, Any]) -> Table:
+    table = Table(title="Models", title_justify="left", expand=True)
+    for column in (
+        "MODEL",
+        "STATE",
+        "CONTEXT",
+        "MEMORY",
+        "RESIDENT",
+        "ACTIVE",
+        "QUEUED",
+        "TOK/S",
+        "KV CELLS",
+        "CACHE HIT",
+        "EXPIRES",
+    ):
+        table.add_column(column, no_wrap=True)
+    for m in status.get("models", []):
+        table.add_row(
+            m["name"],
+            m.get("state", ""),
+            str(m.get("context_length", "")),
+            _bytes(m.get("size", 0)),
+            _bytes(m.get("resident_bytes", 0)),
+            str(m.get("running", 0)),
+            str(m.get("queued", 0)),
+            f"{m.get('tokens_per_s', 0.0):.1f}",
+            str(m.get("kv_cells_used", 0)),
+            f"{100 * m.get('cache_hit_ratio', 0.0):.0f}%",
+            m.get("expires_at") or "-",
+        )
+    if not status.get("models"):
+        table.add_row("(no model loaded)", *[""] * 10)
+    return table
+
+
+def _recent(status: dict[str, Any]) -> Table:
+    table = Table(title="Recent requests", title_justify="left", expand=True)
+    for column in ("TIME", "REQUEST", "STATUS", "MS"):
+        table.add_column(column, no_wrap=True)
+    for r in status.get("recent_requests", [])[:10]:
+        when = time.strftime("%H:%M:%S", time.localtime(r["time"]))
+        style = "red" if r["status"] >= 500 else "yellow" if r["status"] >= 400 else ""
+        table.add_row(
+            when, f"{r['method']} {r['path']}", Text(str(r["status"]), style), str(r["duration_ms"])
+        )
+    return table
+
+
+def _pulls(status: dict[str, Any]) -> RenderableType:
+    pulls = status.get("pulls", [])
+    if not pulls:
+        return Text("Pulls: none in progress", style="dim")
+    table = Table(title="Pulls", title_justify="left", expand=True)
+    for column in ("MODEL", "STATUS", "PROGRESS"):
+        table.add_column(column)
+    for p in pulls:
+        total, done = p.get("total") or 0, p.get("completed") or 0
+        progress = f"{_bytes(done)} / {_bytes(total)}" if total else ""
+        table.add_row(p["model"], str(p.get("status", "")), progress)
+    return table
+
+
+def render_status(status: dict[str, Any]) -> RenderableType:
+    """One frame of `barrel top`."""
+    restarts = status.get("restarts", {})
+    shown = ", ".join(f"{k} x{v}" for k, v in sorted(restarts.items())) or "none"
+    head = Text(
+        f"barrel {status.get('version', '?')}  up {status.get('uptime_s', 0):.0f}s  "
+        f"supervisor restarts: {shown}",
+        style="bold",
+    )
+    return Group(head, _models(status), _pulls(status), _recent(status))
+
+
+async def top(client: BarrelClient, console: Console, *, once: bool = False) -> None:
+    if once:
+        console.print(render_status(await client.status()))
+        return
+    with Live(console=console, refresh_per_second=4, screen=False) as live:
+        while True:
+            live.update(render_status(await client.status()))
+            await asyncio.sleep(1.0)
