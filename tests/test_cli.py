@@ -200,9 +200,12 @@ def test_run_holds_a_two_turn_conversation_through_a_pty(daemon: Daemon) -> None
         os.write(primary, b"What is the capital of France? Answer in one word.\n")
         first = _read_until(primary, b">>> ")
         assert b"Paris" in first
-        os.write(primary, b"What did I just ask you about? Answer with the country.\n")
+        # a message over two lines, between triple quotes
+        os.write(primary, b'"""What did I just ask you about?\n')
+        _read_until(primary, b"... ")
+        os.write(primary, b'Answer with the country."""\n')
         second = _read_until(primary, b">>> ")
-        assert b"France" in second.split(b"country.", 1)[-1]  # it remembers the first turn
+        assert b"France" in second.split(b'country."""', 1)[-1]  # it remembers the first turn
         os.write(primary, b"/bye\n")
         assert proc.wait(timeout=30) == 0
     finally:
