@@ -686,3 +686,22 @@ def test_a_failure_mid_stream_sends_an_error_frame(solo: Daemon) -> None:
         assert plain.status_code == 503
         assert int(plain.headers["retry-after"]) >= 1
         assert plain.json()["error"]["code"] == "unavailable"
+
+
+def test_tokenizing_does_not_wait_behind_generation(solo: Daemon) -> None:
+    with _holding(solo.url):  # the only slot is taken
+        started = time.monotonic()
+        tok = httpx.post(
+            solo.url + "/tokenize", json={"model": "qwen", "content": "Hello"}, timeout=30
+        )
+        counted = httpx.post(
+            solo.url + "/v1/messages/count_tokens",
+            json={"model": "qwen", "messages": QUESTION},
+            timeout=30,
+        )
+        elapsed = time.monotonic() - started
+    assert tok.status_code == 200
+    assert tok.json()["tokens"] == [9707]
+    assert counted.status_code == 200
+    assert counted.json()["input_tokens"] > 10
+    assert elapsed < 3  # no queueing (the queue timeout is 6 s)

@@ -44,6 +44,7 @@ ADMISSION, KEEPALIVE, LOADER = "admission", "keepalive", "loader"
 LOAD_ASK_TIMEOUT = 120.0
 LOAD_PROGRESS_S = 2.0
 LOCAL_SPEC_TTL_S = 2.0
+NO_TICKET = 0  # a lease outside the queue (admission's tickets start at 1)
 
 
 @dataclass
@@ -220,6 +221,19 @@ class Lifecycle:
             raise
         return Lease(name, ticket, engine, spec)
 
+    async def unqueued(self, model: str) -> Lease:
+        """A lease that takes no place in the model's queue: for work that does not
+        generate (tokenizing, counting tokens), which must not wait behind requests that
+        do. It still counts as active, so the model stays loaded under it."""
+        spec = await self.spec(model)
+        await bridge.call(self.registry.get(KEEPALIVE), Keepalive.acquire, spec.name)
+        try:
+            engine = await self._load(spec)
+        except BaseException:
+            await self._release(spec.name, NO_TICKET, None)
+            raise
+        return Lease(spec.name, NO_TICKET, engine, spec)
+
     async def release(self, lease: Lease, keep_alive: float | None = None) -> None:
         await self._release(lease.model, lease.ticket, keep_alive)
 
@@ -235,6 +249,8 @@ class Lifecycle:
             await self.unload(name)
 
     async def _give_back(self, name: str, ticket: int) -> None:
+        if ticket == NO_TICKET:
+            return
         ref = self.registry.whereis(ADMISSION)
         if ref is not None:
             try:

@@ -496,7 +496,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = await _decode(request, counting=True)
     req, pin = chat_request(body)
     lifecycle = request.app[LIFECYCLE]
-    lease = await lifecycle.acquire(body.model)
+    lease = await lifecycle.unqueued(body.model)  # counting does not wait behind generation
     try:
         req = for_model(req, pin, body, lease, request)
         prep = await prepare_on(lease, req, await template_of(request, lease))

@@ -180,6 +180,17 @@ async def leased(request: web.Request, model: str, sse: SseWriter | None) -> Asy
         await lifecycle.release(lease)
 
 
+@asynccontextmanager
+async def unqueued(request: web.Request, model: str) -> AsyncIterator[Lease]:
+    """A lease outside the model's queue (tokenizing does not wait behind generation)."""
+    lifecycle = request.app[LIFECYCLE]
+    lease = await lifecycle.unqueued(model)
+    try:
+        yield lease
+    finally:
+        await lifecycle.release(lease)
+
+
 async def stream_failed(sse: SseWriter | None, err: BaseException) -> web.StreamResponse:
     """Before anything was sent, the error is a plain response (re-raised for the
     middleware); after, an error frame in OpenAI's envelope, and the stream closes."""

@@ -31,6 +31,7 @@ from barrel.http.openai_common import (
     new_id,
     sampling_for,
     stream_failed,
+    unqueued,
 )
 from barrel.http.sse import SseWriter
 
@@ -263,7 +264,7 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
 @routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
     body = await decode(request, TokenizeBody)
-    async with leased(request, body.model, None) as lease:
+    async with unqueued(request, body.model) as lease:
         model = lease.engine.model
         ids = await asyncio.to_thread(model.tokenize, body.content, add_special=body.add_special)
     if not body.with_pieces:
@@ -277,7 +278,7 @@ async def tokenize(request: web.Request) -> web.Response:
 @routes.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
     body = await decode(request, DetokenizeBody)
-    async with leased(request, body.model, None) as lease:
+    async with unqueued(request, body.model) as lease:
         model = lease.engine.model
         if any(t < 0 or t >= model.n_vocab for t in body.tokens):
             raise InvalidRequest(f"token ids must be below {model.n_vocab}", param="tokens")
