@@ -18,27 +18,12 @@ import ollama
 import pytest
 
 from tests.daemon import Daemon, serve_models
+from tests.tools import CITY, DESCRIPTION, SHORT_CITY
 
 pytestmark = pytest.mark.real_model
 
-WEATHER: Any = {
-    "name": "get_weather",
-    "description": "Get the current weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "description": "The city"}},
-        "required": ["city"],
-    },
-}
-# the tiny model's strings run on; a bound keeps its forced call short
-SHORT: Any = {
-    **WEATHER,
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}},
-        "required": ["city"],
-    },
-}
+WEATHER: Any = {"name": "get_weather", "description": DESCRIPTION, "input_schema": CITY}
+SHORT: Any = {**WEATHER, "input_schema": SHORT_CITY}
 # greedy, Qwen writes all 600 tokens for this: a request that holds its slot for long
 COUNT: Any = [
     {"role": "user", "content": "Write the numbers from 1 to 200 in words, one per line."}

@@ -15,21 +15,10 @@ import pytest
 
 from barrel.engine.model import LlamaModel, ModelOptions
 from tests.daemon import Daemon, serve_models
+from tests.tools import WEATHER
 
 pytestmark = pytest.mark.real_model
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "description": "The city"}},
-            "required": ["city"],
-        },
-    },
-}
 GREEDY = {"temperature": 0, "num_predict": 48}
 
 

@@ -20,6 +20,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.daemon import Daemon, serve_models
+from tests.tools import SHORT, WEATHER
 
 pytestmark = pytest.mark.real_model
 
@@ -28,30 +29,6 @@ QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 COUNT: Any = [
     {"role": "user", "content": "Write the numbers from 1 to 200 in words, one per line."}
 ]
-WEATHER: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "description": "The city"}},
-            "required": ["city"],
-        },
-    },
-}
-# the tiny model's strings run on; a bound keeps its forced call short
-SHORT: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}},
-            "required": ["city"],
-        },
-    },
-}
 
 
 def _daemon(tmp: Path, qwen_path: Path, tiny_path: Path, extra: str = "") -> Daemon:
