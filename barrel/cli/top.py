@@ -22,38 +22,32 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def _models(status: dict[str, Any]) -> Table:
+# (header, value) per column; the narrow view keeps the first and the starred ones
+_COLUMNS: list[tuple[str, bool, Any]] = [
+    ("MODEL", True, lambda m: m["name"]),
+    ("STATE", True, lambda m: m.get("state", "")),
+    ("CONTEXT", False, lambda m: str(m.get("context_length", ""))),
+    ("MEMORY", False, lambda m: _bytes(m.get("size", 0))),
+    ("RESIDENT", True, lambda m: _bytes(m.get("resident_bytes", 0))),
+    ("ACTIVE", True, lambda m: str(m.get("running", 0))),
+    ("QUEUED", True, lambda m: str(m.get("queued", 0))),
+    ("TOK/S", True, lambda m: f"{m.get('tokens_per_s', 0.0):.1f}"),
+    ("KV CELLS", False, lambda m: str(m.get("kv_cells_used", 0))),
+    ("CACHE HIT", True, lambda m: f"{100 * m.get('cache_hit_ratio', 0.0):.0f}%"),
+    ("EXPIRES", False, lambda m: m.get("expires_at") or "-"),
+]
+NARROW = 120  # below this many columns, the starred columns only
+
+
+def _models(status: dict[str, Any], width: int | None) -> Table:
+    columns = [c for c in _COLUMNS if c[1] or width is None or width >= NARROW]
     table = Table(title="Models", title_justify="left", expand=True)
-    for column in (
-        "MODEL",
-        "STATE",
-        "CONTEXT",
-        "MEMORY",
-        "RESIDENT",
-        "ACTIVE",
-        "QUEUED",
-        "TOK/S",
-        "KV CELLS",
-        "CACHE HIT",
-        "EXPIRES",
-    ):
-        table.add_column(column, no_wrap=True)
+    for header, _, _ in columns:
+        table.add_column(header, no_wrap=True)
     for m in status.get("models", []):
-        table.add_row(
-            m["name"],
-            m.get("state", ""),
-            str(m.get("context_length", "")),
-            _bytes(m.get("size", 0)),
-            _bytes(m.get("resident_bytes", 0)),
-            str(m.get("running", 0)),
-            str(m.get("queued", 0)),
-            f"{m.get('tokens_per_s', 0.0):.1f}",
-            str(m.get("kv_cells_used", 0)),
-            f"{100 * m.get('cache_hit_ratio', 0.0):.0f}%",
-            m.get("expires_at") or "-",
-        )
+        table.add_row(*(value(m) for _, _, value in columns))
     if not status.get("models"):
-        table.add_row("(no model loaded)", *[""] * 10)
+        table.add_row("(no model loaded)", *[""] * (len(columns) - 1))
     return table
 
 
@@ -84,8 +78,8 @@ def _pulls(status: dict[str, Any]) -> RenderableType:
     return table
 
 
-def render_status(status: dict[str, Any]) -> RenderableType:
-    """One frame of `barrel top`."""
+def render_status(status: dict[str, Any], width: int | None = None) -> RenderableType:
+    """One frame of `barrel top`; a `width` under NARROW drops the less urgent columns."""
     restarts = status.get("restarts", {})
     shown = ", ".join(f"{k} x{v}" for k, v in sorted(restarts.items())) or "none"
     head = Text(
@@ -93,14 +87,14 @@ def render_status(status: dict[str, Any]) -> RenderableType:
         f"supervisor restarts: {shown}",
         style="bold",
     )
-    return Group(head, _models(status), _pulls(status), _recent(status))
+    return Group(head, _models(status, width), _pulls(status), _recent(status))
 
 
 async def top(client: BarrelClient, console: Console, *, once: bool = False) -> None:
     if once:
-        console.print(render_status(await client.status()))
+        console.print(render_status(await client.status(), console.width))
         return
     with Live(console=console, refresh_per_second=4, screen=False) as live:
         while True:
-            live.update(render_status(await client.status()))
+            live.update(render_status(await client.status(), console.width))
             await asyncio.sleep(1.0)
