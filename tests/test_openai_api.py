@@ -309,6 +309,27 @@ async def test_reasoning_content_with_a_thinking_template(
     assert "Paris" in (message.content or "")
 
 
+def test_a_template_that_prints_no_tools_still_gets_a_call(
+    client: openai.OpenAI, daemon: Daemon, qwen_path: Path, llama_templates: Path
+) -> None:
+    template = (llama_templates / "microsoft-Phi-3.5-mini-instruct.jinja").read_text()
+    ollama.Client(host=daemon.url, timeout=300).create(
+        model="qwen-phi", from_=str(qwen_path), template=template
+    )
+    r = client.chat.completions.create(
+        model="qwen-phi",
+        messages=[{"role": "user", "content": "What is the weather in Paris right now?"}],
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=80,
+        stop=["<|end|>"],  # Phi's end of turn is plain text to Qwen's tokenizer
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert "paris" in json.loads(call.function.arguments)["city"].lower()
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 

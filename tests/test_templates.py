@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from barrel.pipeline.chat import TOOL_INSTRUCTIONS, ChatRequest, prepare
 from barrel.pipeline.templates import ChatTemplate, TemplateError
 from barrel.pipeline.toolcalls import detect_family
 
@@ -212,3 +213,29 @@ def test_every_shipped_template_has_its_family_detected(llama_templates: Path) -
         "harmony",
         "firefunction",
     } <= set(detected.values())
+
+
+def test_tools_reach_the_prompt_of_templates_that_print_none(llama_templates: Path) -> None:
+    """Phi-3.5's template takes `tools` and prints nothing of them: the definitions and
+    the call format join the system message; a template that prints them is left alone."""
+
+    def by_bytes(text: str) -> list[int]:
+        return list(text.encode())
+
+    phi = ChatTemplate((llama_templates / "microsoft-Phi-3.5-mini-instruct.jinja").read_text())
+    assert not phi.renders_tools
+    req = ChatRequest([{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS)
+    prompt = bytes(prepare(req, phi, by_bytes, detect_family(phi.source)).prompt).decode()
+    assert TOOL_INSTRUCTIONS in prompt
+    assert '"name": "get_weather"' in prompt
+    assert prompt.index("get_weather") < prompt.index("Weather in Paris?")
+    none = ChatRequest(req.messages, tools=TOOLS, tool_choice="none")
+    assert (
+        "get_weather"
+        not in bytes(prepare(none, phi, by_bytes, detect_family(phi.source)).prompt).decode()
+    )
+    hermes = ChatTemplate((llama_templates / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
+    assert hermes.renders_tools
+    text = bytes(prepare(req, hermes, by_bytes, detect_family(hermes.source)).prompt).decode()
+    assert TOOL_INSTRUCTIONS not in text
+    assert "get_weather" in text

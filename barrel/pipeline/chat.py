@@ -180,8 +180,11 @@ def prepare(
     kwargs = dict(req.template_kwargs)
     if req.thinking is not None:
         kwargs.setdefault("enable_thinking", req.thinking)
+    messages = req.messages
+    if tools and not template.renders_tools and template_family.name == "generic":
+        messages = with_tool_instructions(messages, tools)
     start = time.perf_counter()
-    prompt_text = template.render(req.messages, tools or None, add_generation_prompt=True, **kwargs)
+    prompt_text = template.render(messages, tools or None, add_generation_prompt=True, **kwargs)
     render_s = time.perf_counter() - start
     sampling = req.sampling
     grammar_schema = forced if forced is not None else schema
@@ -203,7 +206,15 @@ def prepare(
         thinking_template="<think>" in template.source,
         preserve=frozenset(preserve),
         prompt=prompt,
-        static_prefix=_static_prefix(req, template, tokenize, tools, kwargs, prompt),
+        static_prefix=_static_prefix(
+            messages,
+            req.pin_messages + (len(messages) - len(req.messages)) if req.pin_messages else 0,
+            template,
+            tokenize,
+            tools,
+            kwargs,
+            prompt,
+        ),
         sampling=sampling,
         family=fam,
         forced_call=forced is not None,
@@ -211,6 +222,29 @@ def prepare(
         tool_names=tuple(_tool_names(tools)),
         render_s=render_s,
     )
+
+
+TOOL_INSTRUCTIONS = (
+    "You can call the following tools. To call one, answer with only a JSON object of "
+    'the form {"name": "<tool name>", "arguments": {<the arguments>}} and nothing '
+    "else; otherwise answer normally.\n\nTools:\n"
+)
+
+
+def with_tool_instructions(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """For templates that take `tools` but print none of them: the definitions and the
+    call format (the bare JSON object the generic parser reads) join the system
+    message, as llama.cpp does for such templates."""
+    definitions = json.dumps([t.get("function", t) for t in tools], indent=2, ensure_ascii=False)
+    text = TOOL_INSTRUCTIONS + definitions
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+        out[0]["content"] = f"{out[0]['content']}\n\n{text}"
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
 
 
 def _refuse_images(messages: list[dict[str, Any]]) -> None:
@@ -237,7 +271,8 @@ MIN_PIN = 64  # a static prefix shorter than this is not worth a pinned sequence
 
 
 def _static_prefix(
-    req: ChatRequest,
+    messages: list[dict[str, Any]],
+    pin_messages: int,
     template: ChatTemplate,
     tokenize: Callable[[str], list[int]],
     tools: list[dict[str, Any]],
@@ -246,10 +281,10 @@ def _static_prefix(
 ) -> int:
     """The system + tools head every conversation with these tools starts with: the
     common token prefix of a render with the system messages only and the full one."""
-    if req.pin_messages:
-        head = req.messages[: req.pin_messages]
+    if pin_messages:
+        head = messages[:pin_messages]
     else:
-        head = [m for m in req.messages if m.get("role") in ("system", "developer")]
+        head = [m for m in messages if m.get("role") in ("system", "developer")]
     if not tools and not head:
         return 0
     try:

@@ -130,6 +130,20 @@ class ChatTemplate:
         self.object_arguments = self._renders(
             [_PROBE_USER, _PROBE_CALL], _PROBE_TOOLS
         ) or not self._renders([_PROBE_USER, _string_arguments(_PROBE_CALL)], _PROBE_TOOLS)
+        self.renders_tools = self._shows_tools()
+
+    def _shows_tools(self) -> bool:
+        """Whether the tool definitions reach the prompt at all (some templates take
+        `tools` and print nothing of them)."""
+        probe = [{"role": "system", "content": "s"}, _PROBE_USER]
+        try:
+            text = self._render(probe, copy.deepcopy(_PROBE_TOOLS), True, {})
+        except Exception:  # noqa: BLE001 - a probe: any failure means "not like this"
+            try:
+                text = self._render([_PROBE_USER], copy.deepcopy(_PROBE_TOOLS), True, {})
+            except Exception:  # noqa: BLE001
+                return False
+        return "probe_fn" in text
 
     def _renders(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
