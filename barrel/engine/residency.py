@@ -26,6 +26,8 @@ import os
 import threading
 from pathlib import Path
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 MADV_RANDOM = 1
@@ -66,10 +68,12 @@ def _resident_vector(start: int, end: int) -> bytes:
 
 
 def resident_bytes(path: Path) -> int:
-    """Bytes of the model's mappings currently in RAM (mincore)."""
+    """Bytes of the model's mappings currently in RAM (mincore). Vectorised: a 20 GB
+    model has 5 million pages, and `barrel top` asks every second."""
     total = 0
     for start, end in mappings(path):
-        total += sum(b & 1 for b in _resident_vector(start, end)) * PAGE
+        vector = np.frombuffer(_resident_vector(start, end), dtype=np.uint8)
+        total += int(np.count_nonzero(vector & 1)) * PAGE
     return total
 
 
