@@ -564,3 +564,37 @@ async def test_preserved_control_tokens_are_rendered(engine: Engine, model: Llam
     )
     assert plain == ""
     assert shown == "<|im_start|>" * 3
+
+
+async def test_prompt_logprobs_match_the_logprobs_of_the_same_tokens_generated(
+    model: LlamaModel,
+) -> None:
+    """Scoring a text (echo + logprobs, max_tokens 0) gives each token the logprob it had
+    when it was generated; the whole prompt is computed, in chunks, even when a parked
+    sequence holds most of it."""
+    e = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=1)).start()
+    try:
+        prompt = model.tokenize("Once upon a time")
+        sampling = SamplingParams(temperature=0.0, logprobs=2)
+        _, done, deltas = await generate(e, GenerationRequest(prompt, sampling, max_tokens=100))
+        generated = [lp for d in deltas for lp in d.logprobs]
+        scored = GenerationRequest(
+            [*prompt, *done.tokens], sampling, max_tokens=0, prompt_logprobs=True
+        )
+        text, again, _ = await generate(e, scored)
+        assert text == ""
+        assert again.usage.completion_tokens == 0
+        assert again.usage.prompt_reused == 0  # the parked sequence was not used
+        assert len(again.prompt_logprobs) == len(prompt) + len(done.tokens) - 1
+        tail = again.prompt_logprobs[len(prompt) - 1 :]
+        assert [lp.token for lp in tail] == list(done.tokens)
+        diffs = [abs(a.logprob - b.logprob) for a, b in zip(tail, generated, strict=True)]
+        # batched and one-token decodes round differently: close, not equal (a shift by
+        # one position would put every pair far apart)
+        assert max(diffs) < 0.1
+        assert sum(diffs) / len(diffs) < 0.01
+        for mine in tail:  # greedy: each token was (within rounding) the most likely one
+            assert len(mine.top) == 2
+            assert mine.top[0].logprob - mine.logprob < 0.1
+    finally:
+        e.stop()

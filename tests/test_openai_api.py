@@ -413,6 +413,38 @@ def test_completions_prompt_forms_echo_and_logprobs(client: openai.OpenAI, daemo
     assert many.usage.prompt_tokens == 5 + len(ids)
 
 
+def test_completions_score_a_text_with_echo_and_logprobs(client: openai.OpenAI) -> None:
+    """Evaluation harnesses score answers this way: echo, logprobs, max_tokens 0."""
+
+    def score(text: str) -> Any:
+        r = client.completions.create(
+            model="qwen", prompt=text, echo=True, logprobs=1, max_tokens=0, temperature=0
+        )
+        (choice,) = r.choices
+        assert r.usage is not None
+        assert r.usage.completion_tokens == 0
+        assert choice.text == text
+        lps = choice.logprobs
+        assert lps is not None
+        assert "".join(lps.tokens or []) == text
+        assert len(lps.tokens or []) == r.usage.prompt_tokens
+        assert (lps.token_logprobs or [])[0] is None  # nothing before the first token
+        assert all(lp <= 0 for lp in (lps.token_logprobs or [])[1:])
+        assert (lps.text_offset or [])[0] == 0
+        assert lps.text_offset == sorted(lps.text_offset or [])
+        return lps
+
+    paris = score("The capital of France is Paris")
+    rome = score("The capital of France is Rome")
+    assert paris.tokens[-1] == " Paris"
+    assert rome.tokens[-1] == " Rome"
+    assert paris.token_logprobs[-1] > rome.token_logprobs[-1] + 2  # the model knows
+    with pytest.raises(openai.BadRequestError, match="without streaming"):
+        client.completions.create(
+            model="qwen", prompt="x", echo=True, logprobs=1, max_tokens=0, stream=True
+        )
+
+
 async def test_completions_stream_and_fill_in_the_middle(aclient: openai.AsyncOpenAI) -> None:
     stream = await aclient.completions.create(
         model="qwen", prompt="1, 2, 3,", max_tokens=6, temperature=0, stream=True

@@ -126,6 +126,10 @@ class _Stop:
     pass
 
 
+# Prompt tokens per step for a request that wants their logprobs (each one's logits are
+# a vocabulary of floats: 64 x 152k x 4 bytes = 39 MB of output buffer for Qwen).
+PROMPT_LOGPROB_CHUNK = 64
+
 # (run, batch index of its logits or -1, tokens it put in the batch)
 Entry = tuple[Run, int, int]
 
@@ -410,7 +414,9 @@ class Engine:
             self._waiting.popleft()
             slot, lcp = choice
             run.admitted = time.monotonic()
-            run.n_past, run.reuse_note = self.kv.attach(slot, run.req.prompt, lcp, run.req.session)
+            run.n_past, run.reuse_note = self.kv.attach(
+                slot, run.req.prompt, lcp, run.req.session, reuse=not run.req.prompt_logprobs
+            )
             run.reused = run.n_past
             run.slot = slot
             self._active.append(run)
@@ -427,8 +433,12 @@ class Engine:
             elapsed = time.monotonic() - start
             self.steps += 1
             for run, index, n_tokens in entries:
+                if run.logit_rows:
+                    self._prompt_logprobs(run)
                 self._advance(run, n_tokens)
-                if index >= 0:
+                if index >= 0 and run.req.max_tokens == 0:
+                    self._finish(run, FinishReason.LENGTH)  # the prompt only (its logprobs)
+                elif index >= 0:
                     self._sample(run, index)
             self._advance_pins()
             self.observer.step(self._batch.n, len(self._active), self.kv.kv_cells(), elapsed)
@@ -439,6 +449,8 @@ class Engine:
         b = self._batch
         b.clear()
         entries: list[Entry] = []
+        for run in self._active:
+            run.logit_rows.clear()  # a rebuilt batch (KV full) must not count rows twice
         for run in self._active:
             if run.prefilling or run.pending is None or not self._runnable(run):
                 continue
@@ -455,10 +467,15 @@ class Engine:
             assert run.slot is not None
             prompt = run.req.prompt
             take = min(len(prompt) - run.n_past, budget)
+            rows = run.req.prompt_logprobs
+            if rows:  # a vocabulary of logits per token: keep the output buffer small
+                take = min(take, PROMPT_LOGPROB_CHUNK)
             index = -1
             for pos in range(run.n_past, run.n_past + take):
                 last = pos == len(prompt) - 1
-                i = b.add(prompt[pos], pos, run.slot.seq, last)
+                i = b.add(prompt[pos], pos, run.slot.seq, last or rows)
+                if rows and not last:
+                    run.logit_rows.append((i, pos))
                 if last:
                     index = i
             entries.append((run, index, take))
@@ -527,6 +544,13 @@ class Engine:
                 job.slot.touch()
                 job.loop.call_soon_threadsafe(resolve, job.future, len(job.tokens))
         self._pin_entries = []
+
+    def _prompt_logprobs(self, run: Run) -> None:
+        """The logprob of each prompt token given those before it, from this step's rows."""
+        prompt = run.req.prompt
+        for i, pos in run.logit_rows:
+            run.prompt_logprobs.append(run.sampler.logprobs(self.ctx, i, prompt[pos + 1]))
+        run.logit_rows.clear()
 
     def _sample(self, run: Run, index: int) -> None:
         token = run.sampler.sample(self.ctx, index)

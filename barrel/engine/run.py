@@ -41,6 +41,9 @@ class Run:
     prefill_done: float = 0.0
     last_token_at: float = 0.0
     out: list[Event | BaseException] = field(default_factory=list)
+    # prompt logprobs: collected during prefill, and this step's (batch index, position)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    logit_rows: list[tuple[int, int]] = field(default_factory=list)
     _utf8: Utf8Stream = field(default_factory=Utf8Stream)
     _stops: StopMatcher | None = None
 
@@ -97,6 +100,8 @@ class Run:
             decode_s=max(0.0, now - self.prefill_done) if prefilled else 0.0,
             time_to_first_token_s=(self.prefill_done - self.submitted) if prefilled else 0.0,
         )
-        done = Done(reason, usage, timings, stop, tuple(self.generated))
+        done = Done(
+            reason, usage, timings, stop, tuple(self.generated), tuple(self.prompt_logprobs)
+        )
         self.out.append(done)
         return done

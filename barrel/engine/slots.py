@@ -74,17 +74,18 @@ class SlotManager:
         return best, common_prefix(best.tokens, prompt)
 
     def attach(
-        self, slot: Slot, prompt: list[int], lcp: int, session: str | None
+        self, slot: Slot, prompt: list[int], lcp: int, session: str | None, *, reuse: bool = True
     ) -> tuple[int, str]:
-        """Prepare `slot` for `prompt`: returns (tokens reused, a note if reuse fell short)."""
+        """Prepare `slot` for `prompt`: returns (tokens reused, a note if reuse fell short).
+        Without `reuse` every prompt token is computed again (for its logits)."""
         # At least one prompt token is decoded to get logits for the first sample.
-        keep = min(lcp, len(prompt) - 1)
+        keep = min(lcp, len(prompt) - 1) if reuse else 0
         if keep < len(slot.tokens) and slot.session is not None:
             self.save(slot)
-        restored = self._restore(slot, prompt, keep)
+        restored = self._restore(slot, prompt, keep) if reuse else 0
         if restored:
             keep = min(restored, len(prompt) - 1)
-        copied = self._copy_pin(slot, prompt, keep)
+        copied = self._copy_pin(slot, prompt, keep) if reuse else 0
         if copied:
             keep = min(copied, len(prompt) - 1)
         keep, note = self._trim(slot, keep)

@@ -64,6 +64,9 @@ class GenerationRequest:
     # Control tokens rendered as text (tool-call and reasoning markers the parser needs);
     # every other control token is left out of the output.
     preserve: frozenset[int] = frozenset()
+    # Log-probabilities of the prompt's tokens (each given those before it), in `Done`:
+    # the whole prompt is computed (no KV reuse), with sampling.logprobs top entries.
+    prompt_logprobs: bool = False
 
 
 class FinishReason(StrEnum):
@@ -129,6 +132,8 @@ class Done:
     timings: Timings
     stop_sequence: str | None = None
     tokens: tuple[int, ...] = field(default=())  # every generated token, in order
+    # with GenerationRequest.prompt_logprobs: one per prompt token but the first
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 Event = Delta | Done

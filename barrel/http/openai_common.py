@@ -116,7 +116,7 @@ def sampling_for(
         sampling = msgspec.structs.replace(sampling, logit_bias=bias)
     if logprobs is not None:
         sampling = msgspec.structs.replace(sampling, logprobs=logprobs)
-    return sampling, (k.max_tokens if k.max_tokens else predict), stop
+    return sampling, (k.max_tokens if k.max_tokens is not None else predict), stop
 
 
 def include_usage(k: Knobs) -> bool:

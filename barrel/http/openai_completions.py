@@ -3,7 +3,9 @@
 Completions take the prompt as it is, without a chat template: a string, strings, token
 ids or lists of token ids; each prompt gets `n` choices (index = prompt * n + choice).
 `suffix` asks for fill-in-the-middle on models with FIM tokens. `echo` puts the prompt in
-front of the text; prompt logprobs are not computed, so echo with logprobs is refused.
+front of the text; with `logprobs` too (scoring a text, as evaluation harnesses do with
+max_tokens 0) the prompt is computed again and each of its tokens gets its logprob (the
+first one null), without streaming.
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ def _check(body: CompletionBody) -> list[str | list[int]]:
     prompts = _prompts(body.prompt)
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
-    if body.echo and body.logprobs is not None:
+    if body.echo and body.logprobs is not None and body.stream:
         raise InvalidRequest(
-            "echo with logprobs (the prompt's logprobs) is not supported", param="echo"
+            "echo with logprobs (the prompt's logprobs) is available without streaming",
+            param="stream",
         )
     if body.suffix and not all(isinstance(p, str) for p in prompts):
         raise InvalidRequest("suffix needs the prompt as text", param="suffix")
@@ -109,9 +112,23 @@ class _Logprobs:
     def __init__(self, offset: int) -> None:
         self.offset = offset
         self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
-        self.top: list[dict[str, float]] = []
+        self.token_logprobs: list[float | None] = []
+        self.top: list[dict[str, float] | None] = []
         self.offsets: list[int] = []
+
+    def first(self, text: str) -> None:
+        """The prompt's first token: nothing before it, so no logprob."""
+        self.tokens.append(text)
+        self.token_logprobs.append(None)
+        self.top.append(None)
+        self.offsets.append(self.offset)
+        self.offset += len(text)
+
+    def then(self, other: _Logprobs) -> _Logprobs:
+        for name in ("tokens", "token_logprobs", "top", "offsets"):
+            getattr(self, name).extend(getattr(other, name))
+        self.offset = other.offset
+        return self
 
     def add(self, lps: tuple[TokenLogprob, ...]) -> dict[str, Any]:
         part = _Logprobs(self.offset)
@@ -156,13 +173,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
             sampling, max_tokens, stop = sampling_for(body, lease, body.logprobs)
             if body.max_tokens is None and lease.spec.parameters.get("num_predict") is None:
                 max_tokens = DEFAULT_MAX_TOKENS
+            scoring = body.echo and body.logprobs is not None
             reqs = [
-                GenerationRequest(p, sampling, max_tokens=max_tokens, stop=stop)
+                GenerationRequest(
+                    p, sampling, max_tokens=max_tokens, stop=stop, prompt_logprobs=scoring
+                )
                 for p in prompts
                 for _ in range(body.n)
             ]
             echoes = [
-                (t if isinstance(t, str) else lease.engine.detokenize(p)) if body.echo else ""
+                _echo(lease, t, p, scoring) if body.echo else ""
                 for t, p in zip(texts, prompts, strict=True)
                 for _ in range(body.n)
             ]
@@ -175,6 +195,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await stream_failed(sse, err)
     assert sse is not None
     return await sse.close()
+
+
+def _piece(lease: Lease, token: int) -> str:
+    return lease.engine.model.piece(token).decode("utf-8", errors="replace")
+
+
+def _echo(lease: Lease, text: str | list[int], prompt: list[int], scoring: bool) -> str:
+    """The prompt as the answer's head: as sent, or, when its tokens are scored, the
+    tokens' pieces (so that the offsets of their logprobs point into it)."""
+    if scoring:
+        return "".join(_piece(lease, t) for t in prompt)
+    return text if isinstance(text, str) else lease.engine.detokenize(prompt)
 
 
 async def _complete(
@@ -209,7 +241,7 @@ async def _complete(
     for i, echo in enumerate(echoes):
         if echo:
             await send(i, echo)
-    live = [i for i, r in enumerate(reqs) if r.max_tokens != 0]
+    live = [i for i, r in enumerate(reqs) if r.max_tokens != 0 or r.prompt_logprobs]
     for i in set(range(len(reqs))) - set(live):
         finish[i] = "length"
         await send(i, "", None, "length")
@@ -225,6 +257,11 @@ async def _complete(
             reason = event.finish_reason.value
             finish[i] = "stop" if reason == "cancelled" else reason
             usages[i] = event.usage
+            if reqs[i].prompt_logprobs:  # the prompt's entries go in front
+                head_lps = _Logprobs(0)
+                head_lps.first(_piece(lease, reqs[i].prompt[0]))
+                head_lps.add(event.prompt_logprobs)
+                logprobs[i] = head_lps.then(logprobs[i])
             await send(i, "", None, finish[i])
     if len(finish) != len(reqs):
         raise BarrelError("the generation ended without a result")
