@@ -140,9 +140,14 @@ def test_create_show_copy_edit_and_remove(daemon: Daemon, imports: Path) -> None
 
 
 def test_run_one_shot_piped_ps_embed_stop_prune_version(daemon: Daemon) -> None:
-    r = barrel(daemon, "run", "qwen", "What is the capital of France? Answer in one word.")
+    r = barrel(
+        daemon, "run", "qwen", "What is the capital of France? Answer in one word.", "--verbose"
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+    rates = dict(line.split(":", 1) for line in r.stderr.strip().splitlines())
+    assert float(rates["eval rate"].split()[0]) > 1  # tokens/s, as Ollama's --verbose
+    assert int(rates["prompt eval count"].split()[0]) > 10
     # sampled at the default temperature: the question with the surest answer
     piped = barrel(daemon, "run", "qwen", stdin="Which city is the capital of France?")
     assert "Paris" in piped.stdout

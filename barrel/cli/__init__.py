@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = command("run", "chat with a model (interactive without PROMPT)")
     run.add_argument("model")
     run.add_argument("prompt", nargs="*")
+    run.add_argument("--verbose", action="store_true", help="timings and rates after answers")
     embed = command("embed", "print embeddings, one JSON array per input")
     embed.add_argument("model")
     embed.add_argument("inputs", nargs="+")

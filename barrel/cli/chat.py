@@ -2,7 +2,8 @@
 
 Interactive commands: /bye, /set parameter NAME VALUE, /set system TEXT, /clear, /?.
 Text between triple quotes spans several lines. Piped stdin is the prompt (after PROMPT,
-when both are given) and gets one answer.
+when both are given) and gets one answer. `--verbose` prints timings and rates after
+each answer, on stderr, as Ollama's does.
 """
 
 from __future__ import annotations
@@ -30,22 +31,51 @@ def _value(text: str) -> Any:
     return text
 
 
+def stats(final: dict[str, Any]) -> str:
+    """Ollama's --verbose block, from the last object of a chat stream."""
+
+    def seconds(key: str) -> float:
+        return float(final.get(key, 0)) / 1e9
+
+    def rate(count: str, duration: str) -> str:
+        d = seconds(duration)
+        return f"{final.get(count, 0) / d:.2f} tokens/s" if d > 0 else "-"
+
+    rows = [
+        ("total duration", f"{seconds('total_duration'):.3f}s"),
+        ("load duration", f"{seconds('load_duration'):.3f}s"),
+        ("prompt eval count", f"{final.get('prompt_eval_count', 0)} token(s)"),
+        ("prompt eval duration", f"{seconds('prompt_eval_duration'):.3f}s"),
+        ("prompt eval rate", rate("prompt_eval_count", "prompt_eval_duration")),
+        ("eval count", f"{final.get('eval_count', 0)} token(s)"),
+        ("eval duration", f"{seconds('eval_duration'):.3f}s"),
+        ("eval rate", rate("eval_count", "eval_duration")),
+    ]
+    return "\n".join(f"{name + ':':<22}{value}" for name, value in rows)
+
+
 async def answer(
     client: BarrelClient,
     model: str,
     messages: list[dict[str, Any]],
     options: dict[str, Any],
     out: TextIO,
+    verbose: bool = False,
 ) -> str:
     parts = []
+    final: dict[str, Any] = {}
     async for event in client.chat(model, messages, options=options or None):
         piece = (event.get("message") or {}).get("content", "")
         if piece:
             out.write(piece)
             out.flush()
             parts.append(piece)
+        if event.get("done"):
+            final = event
     out.write("\n")
     out.flush()
+    if verbose:
+        print(stats(final), file=sys.stderr, flush=True)
     return "".join(parts)
 
 
@@ -72,7 +102,7 @@ async def _message() -> str | None:
     return joined[:-3] if joined.endswith('"""') else joined
 
 
-async def interactive(client: BarrelClient, model: str, out: TextIO) -> int:
+async def interactive(client: BarrelClient, model: str, out: TextIO, verbose: bool = False) -> int:
     await client.load(model)  # fail early (unknown model) and load before the first prompt
     messages: list[dict[str, Any]] = []
     options: dict[str, Any] = {}
@@ -104,18 +134,20 @@ async def interactive(client: BarrelClient, model: str, out: TextIO) -> int:
         elif stripped:
             messages.append({"role": "user", "content": text})
             head = [{"role": "system", "content": system}] if system else []
-            reply = await answer(client, model, [*head, *messages], options, out)
+            reply = await answer(client, model, [*head, *messages], options, out, verbose)
             messages.append({"role": "assistant", "content": reply})
         out.flush()
 
 
-async def run_model(client: BarrelClient, model: str, prompt: str | None) -> int:
+async def run_model(
+    client: BarrelClient, model: str, prompt: str | None, verbose: bool = False
+) -> int:
     out = sys.stdout
     if not sys.stdin.isatty():
         piped = await asyncio.to_thread(sys.stdin.read)
         if piped.strip():
             prompt = f"{prompt}\n{piped}" if prompt else piped
     if prompt is None:
-        return await interactive(client, model, out)
-    await answer(client, model, [{"role": "user", "content": prompt}], {}, out)
+        return await interactive(client, model, out, verbose)
+    await answer(client, model, [{"role": "user", "content": prompt}], {}, out, verbose)
     return 0

@@ -203,7 +203,8 @@ async def _pull(c: BarrelClient, args: argparse.Namespace) -> int:
 
 
 async def _run(c: BarrelClient, args: argparse.Namespace) -> int:
-    return await run_model(c, args.model, " ".join(args.prompt) if args.prompt else None)
+    prompt = " ".join(args.prompt) if args.prompt else None
+    return await run_model(c, args.model, prompt, args.verbose)
 
 
 async def _embed(c: BarrelClient, args: argparse.Namespace) -> int:
