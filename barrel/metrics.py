@@ -192,6 +192,8 @@ class EngineMetrics:
 
     def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
         self._step.observe(seconds)
+
+    def occupancy(self, active: int, kv_cells: int) -> None:
         self._active.set(active)
         self._kv.set(kv_cells)
         self.live.active, self.live.kv_cells = active, kv_cells

@@ -735,3 +735,33 @@ def test_tokenizing_does_not_wait_behind_generation(solo: Daemon) -> None:
     assert counted.status_code == 200
     assert counted.json()["input_tokens"] > 10
     assert elapsed < 3  # no queueing (the queue timeout is 6 s)
+
+
+def test_leaving_a_stream_of_two_choices_frees_both_sequences(daemon: Daemon) -> None:
+    body = {
+        "model": "qwen",
+        "messages": COUNT,
+        "temperature": 0,
+        "max_tokens": 600,
+        "n": 2,
+        "stream": True,
+    }
+
+    def qwen_status() -> Any:
+        status = httpx.get(daemon.url + "/api/status", timeout=10).json()
+        return next(m for m in status["models"] if m["name"] == "qwen")
+
+    with httpx.stream("POST", daemon.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        seen: set[int] = set()
+        for line in lines:
+            if line.startswith("data: {") and '"content":"' in line:
+                seen.add(json.loads(line[6:])["choices"][0]["index"])
+            if seen == {0, 1}:
+                break
+        assert qwen_status()["active_sequences"] == 2  # both choices generate
+    # the client left: both sequences end within a step or two, not after 600 tokens
+    deadline = time.monotonic() + 5
+    while (s := qwen_status())["active_sequences"] or s["running"]:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.1)

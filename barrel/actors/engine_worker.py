@@ -168,6 +168,10 @@ class _PinAfterFirstRequest:
         if self.inner is not None:
             self.inner.first_token(seconds)
 
+    def occupancy(self, active: int, kv_cells: int) -> None:
+        if self.inner is not None:
+            self.inner.occupancy(active, kv_cells)
+
     def inter_token(self, seconds: float) -> None:
         if self.inner is not None:
             self.inner.inter_token(seconds)

@@ -59,8 +59,15 @@ class EngineObserver(Protocol):
 
     def finished(self, done: Done) -> None: ...
 
+    def occupancy(self, active: int, kv_cells: int) -> None:
+        """After every turn of the loop that did work, decoded or not (a cancelled
+        sequence ends without a decode)."""
+
 
 class _NoObserver:
+    def occupancy(self, active: int, kv_cells: int) -> None:
+        pass
+
     def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
         pass
 
@@ -442,6 +449,7 @@ class Engine:
                     self._sample(run, index)
             self._advance_pins()
             self.observer.step(self._batch.n, len(self._active), self.kv.kv_cells(), elapsed)
+        self.observer.occupancy(len(self._active), self.kv.kv_cells())
         self._flush()
 
     def _fill_batch(self) -> list[Entry]:
