@@ -99,6 +99,18 @@ def test_pull_shows_progress_then_the_model_is_listed(
     assert "small:q4" in listed.stdout
 
 
+def test_run_pulls_a_model_it_does_not_have(
+    daemon: Daemon, registry: RegistryServer, tiny_path: Path
+) -> None:
+    digest = registry.add_ollama_model("library/tinyrun", "latest", tiny_path)
+    r = barrel(daemon, "run", "tinyrun", "Hello")
+    assert r.returncode == 0, r.stderr
+    assert f"pulling {digest.removeprefix('sha256:')[:12]}" in r.stderr
+    assert "success" in r.stderr.splitlines()
+    assert r.stdout.endswith("\n")  # the tiny model's answer (random text) ended
+    assert "tinyrun:latest" in barrel(daemon, "ls").stdout
+
+
 def test_a_failing_pull_exits_non_zero(daemon: Daemon) -> None:
     r = barrel(daemon, "pull", "missing:latest")
     assert r.returncode == 1

@@ -182,6 +182,11 @@ async def _search(c: BarrelClient, args: argparse.Namespace) -> int:
 
 
 async def _pull(c: BarrelClient, args: argparse.Namespace) -> int:
+    await _pull_model(c, args.model, args.insecure)
+    return 0
+
+
+async def _pull_model(c: BarrelClient, model: str, insecure: bool = False) -> None:
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -190,7 +195,7 @@ async def _pull(c: BarrelClient, args: argparse.Namespace) -> int:
     )
     tasks: dict[str, TaskID] = {}
     with Progress(*columns, console=err, transient=False) as progress:
-        async for event in c.pull(args.model, insecure=args.insecure):
+        async for event in c.pull(model, insecure=insecure):
             digest, total = event.get("digest"), event.get("total")
             if digest and total:
                 if digest not in tasks:
@@ -199,10 +204,15 @@ async def _pull(c: BarrelClient, args: argparse.Namespace) -> int:
                 progress.update(tasks[digest], completed=event.get("completed", 0))
             elif event.get("status"):
                 progress.console.print(event["status"])
-    return 0
 
 
 async def _run(c: BarrelClient, args: argparse.Namespace) -> int:
+    try:
+        await c.show(args.model)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        await _pull_model(c, args.model)  # as Ollama's CLI does: pull, then run
     prompt = " ".join(args.prompt) if args.prompt else None
     return await run_model(c, args.model, prompt, args.verbose)
 
