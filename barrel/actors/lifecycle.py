@@ -210,29 +210,33 @@ class Lifecycle:
                     raise Unavailable(
                         f"waited {spec.queue_timeout:.0f}s in the queue of {name}", retry_after=5.0
                     ) from None
-            await bridge.call(self.registry.get(KEEPALIVE), Keepalive.acquire, name)
         except BaseException:
             await self._give_back(name, ticket)
             raise
-        try:
-            engine = await self._load(spec, on_loading)
-        except BaseException:
-            await self._release(name, ticket, None)
-            raise
-        return Lease(name, ticket, engine, spec)
+        return await self._activate(spec, ticket, on_loading)
 
     async def unqueued(self, model: str) -> Lease:
         """A lease that takes no place in the model's queue: for work that does not
         generate (tokenizing, counting tokens), which must not wait behind requests that
         do. It still counts as active, so the model stays loaded under it."""
-        spec = await self.spec(model)
-        await bridge.call(self.registry.get(KEEPALIVE), Keepalive.acquire, spec.name)
+        return await self._activate(await self.spec(model), NO_TICKET, None)
+
+    async def _activate(
+        self, spec: ModelSpec, ticket: int, on_loading: Callable[[float], None] | None
+    ) -> Lease:
+        """Count as active (no keep-alive timer can unload the model now), then wait for
+        the load; on failure, give back what was taken."""
         try:
-            engine = await self._load(spec)
+            await bridge.call(self.registry.get(KEEPALIVE), Keepalive.acquire, spec.name)
         except BaseException:
-            await self._release(spec.name, NO_TICKET, None)
+            await self._give_back(spec.name, ticket)
             raise
-        return Lease(spec.name, NO_TICKET, engine, spec)
+        try:
+            engine = await self._load(spec, on_loading)
+        except BaseException:
+            await self._release(spec.name, ticket, None)
+            raise
+        return Lease(spec.name, ticket, engine, spec)
 
     async def release(self, lease: Lease, keep_alive: float | None = None) -> None:
         await self._release(lease.model, lease.ticket, keep_alive)

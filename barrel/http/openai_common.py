@@ -100,11 +100,17 @@ def sampling_for(
 ) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
     """The request's knobs over the model's stored parameters over the defaults; and the
     token limit and stop strings."""
-    names = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed")
+    names = (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repeat_penalty",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+    )
     options: dict[str, Any] = {n: getattr(k, n) for n in names if getattr(k, n) is not None}
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(k, name) is not None:
-            options[name] = getattr(k, name)
     if k.stop is not None:
         options["stop"] = [k.stop] if isinstance(k.stop, str) else k.stop
     sampling, predict, stop = sampling_from(options, lease.spec.parameters)
