@@ -26,7 +26,15 @@ def start_worker() -> pykka.ActorRef[Any]:
 async def test_call_returns_the_result() -> None:
     ref = start_worker()
     assert await bridge.call(ref, Worker.echo, {"x": 1}) == {"x": 1}
-    assert await bridge.ask(ref, pykka.messages.ProxyCall(("echo",), (5,), {})) == 5
+    assert await asyncio.to_thread(bridge.call_sync, ref, Worker.echo, 5) == 5
+
+
+async def test_a_bug_in_a_call_reaches_the_caller_and_crashes_the_actor() -> None:
+    ref = start_worker()
+    with pytest.raises(RuntimeError, match="boom"):
+        await bridge.call(ref, Worker.crash)
+    await asyncio.to_thread(ref.actor_stopped.wait, 5)
+    assert not ref.is_alive()
 
 
 async def test_loop_keeps_running_while_an_actor_is_busy() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import pykka
 import pytest
 
+from barrel.actors.bridge import call_sync
 from barrel.actors.child import Exit
 from barrel.actors.registry import Registry
 from barrel.actors.supervisor import (
@@ -302,7 +303,7 @@ def test_ask_crash_reaches_caller_and_restarts_actor(probe: Probe) -> None:
     tree = Tree(probe, SupFlags(Strategy.ONE_FOR_ONE, 5, 10), lambda env: specs(probe, "a"))
     old = tree.ref("a")
     with pytest.raises(RuntimeError, match="boom"):
-        old.proxy().crash().get(timeout=5)
+        call_sync(old, Worker.crash)
     new = new_ref_for(tree, "a", old)
     assert not old.is_alive()
     assert new.proxy().echo(1).get(timeout=5) == 1
@@ -312,10 +313,10 @@ def test_expected_error_in_ask_goes_to_caller_and_actor_lives_on(probe: Probe) -
     tree = Tree(probe, SupFlags(Strategy.ONE_FOR_ONE, 5, 10), lambda env: specs(probe, "a"))
     ref = tree.ref("a")
     with pytest.raises(NotFound):
-        ref.proxy().not_found().get(timeout=5)
+        call_sync(ref, Worker.not_found)
     assert ref.is_alive()
     assert tree.ref("a") is ref
-    assert ref.proxy().echo(2).get(timeout=5) == 2
+    assert call_sync(ref, Worker.echo, 2) == 2
     assert probe.of("stop") == []
 
 

@@ -3,14 +3,13 @@
 Each model admits at most `concurrency` requests at once (its engine's sequence count);
 up to `depth` more wait in arrival order; beyond that a request is refused at once with
 503 and Retry-After. A waiting request learns its position as it changes and is told
-when it is admitted, on its own event loop; one that gives up (client gone, timeout)
-leaves the queue. Grants are never lost: a release admits the next waiter in the same
-message.
+when it is admitted, through the thread-safe `notify` it brings (a `ToLoop.wrap`); one
+that gives up (client gone, timeout) leaves the queue. Grants are never lost: a release
+admits the next waiter in the same message.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 from barrel.actors.child import Child, Link
 from barrel.errors import Unavailable
 
-Notify = Callable[[int], None]  # position (0 = admitted), called on the waiter's loop
+Notify = Callable[[int], None]  # position (0 = admitted); safe to call from any thread
 
 
 class QueueFull(Unavailable):
@@ -35,7 +34,6 @@ class QueueLimits:
 @dataclass
 class _Waiter:
     ticket: int
-    loop: asyncio.AbstractEventLoop
     notify: Notify
 
 
@@ -62,7 +60,6 @@ class Admission(Child):
     def enqueue(
         self,
         model: str,
-        loop: asyncio.AbstractEventLoop,
         notify: Notify,
         limits: QueueLimits | None = None,
     ) -> tuple[int, int]:
@@ -80,7 +77,7 @@ class Admission(Child):
                 f"model {model} is busy: {len(q.running)} running, {len(q.waiting)} waiting",
                 retry_after=2.0,
             )
-        q.waiting.append(_Waiter(ticket, loop, notify))
+        q.waiting.append(_Waiter(ticket, notify))
         return ticket, len(q.waiting)
 
     def release(self, model: str, ticket: int) -> None:
@@ -106,13 +103,6 @@ class Admission(Child):
         while q.waiting and len(q.running) < q.limits.concurrency:
             w = q.waiting.popleft()
             q.running.add(w.ticket)
-            _tell(w, 0)
+            w.notify(0)
         for i, w in enumerate(q.waiting, start=1):
-            _tell(w, i)
-
-
-def _tell(w: _Waiter, position: int) -> None:
-    try:
-        w.loop.call_soon_threadsafe(w.notify, position)
-    except RuntimeError:
-        pass  # its loop is gone
+            w.notify(i)

@@ -1,78 +1,78 @@
-"""Ask an actor from asyncio without blocking the event loop.
+"""Calling an actor's method: from the event loop without blocking it, or from another
+actor's thread, always with a timeout.
 
-`await pykka_future` would call `.get()` and block the loop (pykka issue #99); parking a
-thread-pool thread on `.get()` wastes a thread per call. Instead the reply slot of the
-message is a `_LoopReply`: when the actor answers, from its own thread, the reply is
-handed to the loop with `call_soon_threadsafe`. Every call has a timeout and raises
-`CallTimeout` naming the target when it expires; a late answer is dropped.
+A call is a `Call` message sent with pykka's public `tell`; the actor (a `Child`) runs the
+method in its own thread and settles the answer it carries: a `Reply` posted to the
+caller's loop (`call`), or a thread future (`call_sync`). `await pykka_future` would block
+the loop (pykka issue #99) and parking a pool thread on `.get()` wastes a thread per call,
+so neither is used. Every call has a timeout and raises `CallTimeout` naming the target
+when it expires; a late answer is dropped. A call to an actor that is gone, or that stops
+with the call still queued, raises `Unavailable`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import sys
+import concurrent.futures
 from collections.abc import Callable
-from types import TracebackType
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import pykka
-from pykka._envelope import Envelope  # pykka has no public way to attach a custom reply
-from pykka.messages import ProxyCall
 
 from barrel.errors import CallTimeout, Unavailable
-from barrel.futures import reject, resolve
+from barrel.futures import Reply
 
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 5.0  # OTP's gen_server:call default
 
-ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
+
+class Answer(Protocol):
+    """Where a call's outcome goes; settled once, from the actor's thread."""
+
+    def resolve(self, value: Any) -> None: ...
+
+    def reject(self, exc: BaseException) -> None: ...
 
 
-class _LoopReply(pykka.Future[Any]):
-    """A pykka reply slot that resolves an asyncio future on its loop."""
+@dataclass(frozen=True)
+class Call:
+    """Run `method(*args, **kwargs)` on the actor and settle `answer` with the outcome."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, target: asyncio.Future[Any]) -> None:
-        super().__init__()
-        self._loop = loop
-        self._target = target
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    answer: Answer | None = None
 
-    def get(self, *, timeout: float | None = None) -> Any:
-        raise TypeError("a bridged reply is awaited on the event loop, not read with get()")
 
-    def set(self, value: Any | None = None) -> None:
-        self._post(resolve, value)
+class _ThreadAnswer:
+    """The answer of a call made from a thread that may block (another actor's)."""
 
-    def set_exception(self, exc_info: ExcInfo | None = None) -> None:
-        exc = exc_info[1] if exc_info is not None else sys.exc_info()[1]
-        self._post(reject, exc or RuntimeError("actor failed without an exception"))
+    def __init__(self) -> None:
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
-    def _post(self, fn: Callable[[asyncio.Future[Any], Any], None], arg: Any) -> None:
+    def resolve(self, value: Any) -> None:
         try:
-            self._loop.call_soon_threadsafe(fn, self._target, arg)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is waiting any more
+            self.future.set_result(value)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+    def reject(self, exc: BaseException) -> None:
+        try:
+            self.future.set_exception(exc)
+        except concurrent.futures.InvalidStateError:
+            pass
 
 
-async def ask(
-    ref: pykka.ActorRef[Any],
-    message: Any,
-    *,
-    timeout: float = DEFAULT_TIMEOUT,
-    what: str | None = None,
-) -> Any:
-    """Send `message` to `ref` and await its reply, at most `timeout` seconds."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-    if not ref.is_alive():
-        raise Unavailable(f"{what or ref} is not running", retry_after=1.0)
-    ref.actor_inbox.put(Envelope(message, reply_to=_LoopReply(loop, fut)))
+def _what(ref: pykka.ActorRef[Any], method: Callable[..., Any]) -> str:
+    return f"{ref.actor_class.__name__}.{method.__name__}"
+
+
+def _send(ref: pykka.ActorRef[Any], call: Call, what: str) -> None:
     try:
-        return await asyncio.wait_for(fut, timeout)
-    except TimeoutError:
-        raise CallTimeout(f"{what or ref} did not answer within {timeout}s") from None
+        ref.tell(call)
     except pykka.ActorDeadError:
-        raise Unavailable(f"{what or ref} stopped before answering", retry_after=1.0) from None
+        raise Unavailable(f"{what} is not running", retry_after=1.0) from None
 
 
 async def call(
@@ -83,8 +83,36 @@ async def call(
     **kwargs: Any,
 ) -> T:
     """Call `method` (an attribute of the actor's class, e.g. `Catalog.lookup`) on the
-    actor behind `ref`, in the actor's thread, and await its result."""
-    message = ProxyCall(attr_path=(method.__name__,), args=args, kwargs=kwargs)
-    what = f"{ref.actor_class.__name__}.{method.__name__}"
-    result: T = await ask(ref, message, timeout=timeout, what=what)
+    actor behind `ref`, in the actor's thread, and await its result on the loop."""
+    what = _what(ref, method)
+    reply: Reply[T] = Reply()
+    _send(ref, Call(method.__name__, args, kwargs, reply), what)
+    try:
+        return await reply.wait(timeout)
+    except TimeoutError:
+        raise CallTimeout(f"{what} did not answer within {timeout}s") from None
+
+
+def call_sync(
+    ref: pykka.ActorRef[Any],
+    method: Callable[..., T],
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT,
+    **kwargs: Any,
+) -> T:
+    """The same from a thread that may block (an actor calling another, a test). Never
+    from the event loop."""
+    what = _what(ref, method)
+    answer = _ThreadAnswer()
+    _send(ref, Call(method.__name__, args, kwargs, answer), what)
+    try:
+        result: T = answer.future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise CallTimeout(f"{what} did not answer within {timeout}s") from None
     return result
+
+
+def dead_letter(message: Any, what: str) -> None:
+    """A call left in the inbox of an actor that stopped: its caller hears so now."""
+    if isinstance(message, Call) and message.answer is not None:
+        message.answer.reject(Unavailable(f"{what} stopped before answering", retry_after=1.0))

@@ -5,17 +5,18 @@ Pykka differs from OTP in two ways this module covers:
 * `on_start` raising stops the actor without calling `on_failure`: here `init()` runs in
   `on_start` and its outcome resolves `Link.started`, which the supervisor waits on, so a
   failed `init()` is a failed start.
-* an exception inside an `ask` is handed to the caller and the actor lives on: here only
-  `BarrelError` (an expected, typed failure) goes back to the caller alone. Any other
-  exception is a bug: the caller still gets it, and the actor crashes ("let it crash"), so
-  its supervisor restarts it from a clean state.
+* an exception inside an `ask` is handed to the caller and the actor lives on: here calls
+  are `bridge.Call` messages handled in `on_receive`, where only `BarrelError` (an
+  expected, typed failure) goes back to the caller alone. Any other exception is a bug:
+  the caller still gets it, and the actor crashes ("let it crash": the call came as a
+  `tell`, whose failure pykka turns into `on_failure`), so its supervisor restarts it from
+  a clean state. Calls still queued when the actor ends are answered `Unavailable`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 import pykka
 
+from barrel.actors.bridge import Call, dead_letter
 from barrel.errors import BarrelError
 
 logger = logging.getLogger(__name__)
@@ -111,28 +113,50 @@ class Child(pykka.ThreadingActor):
     ) -> None:
         self._exit(Exit("crash", exception_value))
 
-    def _handle_receive(self, message: Any) -> Any:
+    def on_receive(self, message: Any) -> Any:
+        """Subclasses handle their own messages and pass the rest here."""
+        if isinstance(message, Call):
+            self._answer(message)
+            return None
+        return super().on_receive(message)
+
+    def _answer(self, call: Call) -> None:
+        answer = call.answer
         try:
-            return super()._handle_receive(message)
-        except BarrelError:
-            # Expected and typed: the caller of an ask handles it; the actor lives on.
+            result = getattr(self, call.method)(*call.args, **call.kwargs)
+        except BarrelError as exc:
+            # Expected and typed: the caller handles it; the actor lives on.
+            if answer is not None:
+                answer.reject(exc)
+            return
+        except Exception as exc:
+            # A bug: the caller hears it, and the actor crashes rather than go on in
+            # whatever state the bug left it.
+            if answer is not None:
+                answer.reject(exc)
             raise
-        except Exception:
-            # A bug. Crash now, whether this was a tell or an ask: pykka would hand an
-            # ask's exception to the caller and keep the actor running in whatever state
-            # the bug left it. The exception still propagates, so an asker receives it.
-            exc_info = sys.exc_info()
-            if not self.actor_stopped.is_set():
-                logger.error("%s crashed", self, exc_info=exc_info)
-                pykka.ActorRegistry.unregister(self.actor_ref)
-                self.actor_stopped.set()
-            self.on_failure(*exc_info)
-            raise
+        if answer is not None:
+            answer.resolve(result)
+
+    def _drain_calls(self) -> None:
+        """Answer the calls still queued (their callers would wait for their timeout);
+        put every other message back for pykka's own teardown."""
+        others = []
+        while not self.actor_inbox.empty():  # this thread is the inbox's only reader
+            envelope = self.actor_inbox.get()
+            message = getattr(envelope, "message", None)
+            if isinstance(message, Call):
+                dead_letter(message, f"{type(self).__name__}.{message.method}")
+            else:
+                others.append(envelope)
+        for envelope in others:
+            self.actor_inbox.put(envelope)
 
     def _exit(self, reason: Exit) -> None:
         if self._exited:
             return
         self._exited = True
+        self._drain_calls()
         try:
             self.terminate(reason)
         except Exception:

@@ -3,13 +3,13 @@
 It owns the download (a worker thread running `barrel.store.pull.run_pull`), not the
 HTTP handler: a client that disconnects only unsubscribes, and a second pull of the same
 model subscribes to the running one instead of downloading again. Subscribers get the
-progress so far, then every event, on their own event loop. When the pull ends the actor
+progress so far, then every event, through the thread-safe sink each brings (a
+`ToLoop.wrap`). When the pull ends the actor
 sends the final event and stops (a temporary child: never restarted).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import threading
@@ -20,6 +20,7 @@ from typing import Any
 import pykka
 
 from barrel.actors.child import Child, Exit, Link
+from barrel.background import lower_priority
 from barrel.errors import BarrelError
 from barrel.store.pull import run_pull
 from barrel.store.sources import Registries
@@ -27,7 +28,7 @@ from barrel.store.store import ModelStore
 
 logger = logging.getLogger(__name__)
 
-Sink = Callable[[dict[str, Any]], None]
+Sink = Callable[[dict[str, Any]], None]  # safe to call from any thread
 
 
 def pull_name(model: str) -> str:
@@ -51,7 +52,7 @@ class PullCoordinator(Child):
         store: ModelStore,
         model: str,
         registries: Registries,
-        first: tuple[asyncio.AbstractEventLoop, Sink] | None = None,
+        first: Sink | None = None,
     ) -> None:
         super().__init__(link)
         self.store = store
@@ -60,7 +61,7 @@ class PullCoordinator(Child):
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
         self._history: list[dict[str, Any]] = []
-        self._subscribers: dict[int, tuple[asyncio.AbstractEventLoop, Sink]] = {}
+        self._subscribers: dict[int, Sink] = {}
         self._tokens = itertools.count(1)
         self._final: dict[str, Any] | None = None
         if first is not None:
@@ -73,14 +74,12 @@ class PullCoordinator(Child):
 
     # -- API (asked from the event loop through the bridge) ---------------------------
 
-    def subscribe(
-        self, loop: asyncio.AbstractEventLoop, sink: Sink
-    ) -> tuple[int, list[dict[str, Any]]]:
+    def subscribe(self, sink: Sink) -> tuple[int, list[dict[str, Any]]]:
         """Returns (token, events so far). The final event, if already out, is among
         them; otherwise it will come through `sink`."""
         token = next(self._tokens)
         if self._final is None:
-            self._subscribers[token] = (loop, sink)
+            self._subscribers[token] = sink
         return token, list(self._history) + ([self._final] if self._final else [])
 
     def unsubscribe(self, token: int) -> None:
@@ -120,17 +119,15 @@ class PullCoordinator(Child):
         self._history.append(event)
 
     def _fanout(self, event: dict[str, Any], last: bool = False) -> None:
-        for loop, sink in list(self._subscribers.values()):
-            try:
-                loop.call_soon_threadsafe(sink, event)
-            except RuntimeError:
-                pass  # that loop is gone
+        for sink in list(self._subscribers.values()):
+            sink(event)
         if last:
             self._subscribers.clear()
 
     # -- the worker thread --------------------------------------------------------
 
     def _work(self) -> None:
+        lower_priority()  # a download must not slow inference down
         error: BaseException | None = None
 
         def emit(event: dict[str, Any]) -> None:

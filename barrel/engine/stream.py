@@ -2,7 +2,7 @@
 
 Each request has a `Stream`, read with `async for` on its event loop. The engine
 collects every sequence's events of one step and hands them to each loop with a single
-`call_soon_threadsafe` (one wake-up per step, not per token).
+`ToLoop.post` (one wake-up per step, not per token).
 
 Slow readers: a stream counts events emitted (engine thread) and consumed (loop thread);
 each counter has one writer. When a reader falls `high_water` events behind, the engine
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from barrel.engine.types import Delta, Done, Event, RequestId
+from barrel.futures import ToLoop
 
 HIGH_WATER = 256
 
@@ -27,7 +28,7 @@ class Stream:
     def __init__(
         self,
         request_id: RequestId,
-        loop: asyncio.AbstractEventLoop,
+        loop: ToLoop,
         cancel: Callable[[RequestId], None],
         resume: Callable[[], None],
         high_water: int = HIGH_WATER,
@@ -64,7 +65,7 @@ class Stream:
         if self._finished:
             raise StopAsyncIteration
         while not self._items:
-            self._waiter = self.loop.create_future()
+            self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
