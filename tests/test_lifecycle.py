@@ -24,8 +24,7 @@ from barrel.engine.errors import EngineCrashed
 from barrel.engine.types import FinishReason, GenerationRequest
 from barrel.errors import BarrelError
 from barrel.http import errors
-from barrel.http.app import make_app
-from barrel.http.keys import LIFECYCLE, RUNTIME
+from tests.apps import app_for, services_of
 
 Client = TestClient[web.Request, web.Application]
 MakeClient = Callable[..., Awaitable[Client]]
@@ -47,9 +46,9 @@ async def start(
         },
         Config,
     )
-    client = await aiohttp_client(make_app(config))
-    await asyncio.to_thread(client.server.app[RUNTIME].booted.wait, 10)
-    return client, client.server.app[LIFECYCLE]
+    client = await aiohttp_client(app_for(config))
+    await asyncio.to_thread(services_of(client.server.app).runtime.booted.wait, 10)
+    return client, services_of(client.server.app).models.lifecycle
 
 
 async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -150,12 +149,12 @@ async def test_keep_alive_counts_from_the_end_of_the_last_request(
 ) -> None:
     _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path})
     lease = await lc.acquire("tiny", keep_alive=1.0)
-    # a generation that lasts well past the keep-alive
-    stream = lease.engine.submit(GenerationRequest(lease.engine.tokenize("Hello"), max_tokens=900))
+    # generations that last past the keep-alive, however fast the box
     started = time.monotonic()
-    async for _ in stream:
-        pass
-    assert time.monotonic() - started > 1.0, "the generation outlived the keep-alive"
+    while time.monotonic() - started <= 1.2:
+        prompt = lease.engine.tokenize("Hello")
+        async for _ in lease.engine.submit(GenerationRequest(prompt, max_tokens=300)):
+            pass
     assert await loaded(lc) == {"tiny"}, "never unloaded during a request"
     await lc.release(lease, keep_alive=1.0)
     ended = time.monotonic()
@@ -277,9 +276,9 @@ async def test_crashes_beyond_the_intensity_mark_the_model_failed(
     cfg = msgspec.convert(
         {"models": config, "supervision": {"models": {"intensity": 1, "period_s": 60}}}, Config
     )
-    client = await aiohttp_client(make_app(cfg))
-    await asyncio.to_thread(client.server.app[RUNTIME].booted.wait, 10)
-    lc = client.server.app[LIFECYCLE]
+    client = await aiohttp_client(app_for(cfg))
+    await asyncio.to_thread(services_of(client.server.app).runtime.booted.wait, 10)
+    lc = services_of(client.server.app).models.lifecycle
     bystander = await lc.acquire("other")
     crashed: list[Any] = []
     for _ in range(10):
@@ -388,13 +387,13 @@ async def test_load_progress_while_waiting(
     [(None, 300.0), (0, 0.0), (-1, -1.0), (30, 30.0), ("5m", 300.0), ("1h", 3600.0), ("30s", 30.0)],
 )
 def test_keep_alive_values(value: Any, seconds: float) -> None:
-    from barrel.actors.lifecycle import keep_alive_seconds
+    from barrel.config import keep_alive_seconds
 
     assert keep_alive_seconds(value, "5m") == seconds
 
 
 def test_bad_keep_alive() -> None:
-    from barrel.actors.lifecycle import keep_alive_seconds
+    from barrel.config import keep_alive_seconds
 
     for bad in ("soon", True, "5 minutes"):
         with pytest.raises(ValueError, match=r"keep_alive|duration"):
@@ -416,7 +415,7 @@ async def test_stored_model_parameters_set_context_sequences_and_queue(
         "FROM ./tiny.gguf\nPARAMETER num_ctx 512\nPARAMETER num_seq_max 1\n"
         "PARAMETER queue_depth 1\nPARAMETER weight_residency lazy\n"
     )
-    store = client.server.app[RUNTIME].registry.get("store")
+    store = services_of(client.server.app).runtime.registry.get("store")
     await bridge.call(store, StoreActor.create, "stored:v1", spec, None, timeout=60)
     first = await lc.acquire("stored:v1")
     assert first.engine.n_ctx == 512

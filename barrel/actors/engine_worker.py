@@ -2,16 +2,18 @@
 
 It loads the model in response to a message it sends itself at start (so the supervisor's
 start phase stays short), and crashes when the engine thread dies, so its supervisor
-restarts it and the restart loads a fresh engine. Requests do not go through the actor:
-callers get the `Engine` (from `engine_future()`) and submit to it directly; the actor is
-the engine's owner and supervisor link, not a per-token relay.
+restarts it and the restart loads a fresh engine. Each incarnation reports its load's
+outcome through the `on_ready` callback it was started with (the loader's, which only
+enqueues a message). Requests do not go through the actor: callers get the `Engine` and
+submit to it directly; the actor is the engine's owner and supervisor link, not a
+per-token relay.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,25 +43,9 @@ class EngineThreadDied(Exception):
     """Raised in the actor to crash it (let it crash) when its engine thread died."""
 
 
-class EngineBoard:
-    """Where each worker incarnation publishes its engine future, so the loader can wait
-    on it without asking the worker (whose inbox is busy loading). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._futures: dict[str, concurrent.futures.Future[Engine]] = {}
-
-    def publish(self, name: str, future: concurrent.futures.Future[Engine]) -> None:
-        with self._lock:
-            self._futures[name] = future
-
-    def get(self, name: str) -> concurrent.futures.Future[Engine] | None:
-        with self._lock:
-            return self._futures.get(name)
-
-    def remove(self, name: str) -> None:
-        with self._lock:
-            self._futures.pop(name, None)
+OnReady = Callable[[Engine | None, BaseException | None], None]
+"""Called once per incarnation from the worker's thread: (engine, None) when loaded,
+(None, error) when the load failed."""
 
 
 class EngineWorker(Child):
@@ -73,7 +59,7 @@ class EngineWorker(Child):
         residency: str = "eager",
         tracker: ResidencyTracker | None = None,
         model: str = "",
-        board: EngineBoard | None = None,
+        on_ready: OnReady | None = None,
     ) -> None:
         super().__init__(link)
         self.path = path
@@ -86,8 +72,7 @@ class EngineWorker(Child):
         self.model: LlamaModel | None = None
         self._engine: Engine | None = None
         self._ready: concurrent.futures.Future[Engine] = concurrent.futures.Future()
-        if board is not None:
-            board.publish(link.id, self._ready)
+        self._on_ready = on_ready
 
     def init(self) -> None:
         self.actor_ref.tell(_Load())
@@ -124,15 +109,24 @@ class EngineWorker(Child):
             # same way on every restart: report it and stay up, failed, for the loader
             # to unload. Anything else is a bug: crash.
             logger.error("loading %s failed: %s", self.link.id, exc)
-            self._ready.set_exception(exc)
+            self._loaded(None, exc)
             return
         except Exception as exc:
-            self._ready.set_exception(exc)
+            self._loaded(None, exc)
             raise
         logger.info("model %s loaded from %s (%s)", self.link.id, self.path, self.residency)
         if self.tracker is not None:
             self.tracker.register(self.model_label, self.path)
-        self._ready.set_result(self._engine)
+        self._loaded(self._engine, None)
+
+    def _loaded(self, engine: Engine | None, error: BaseException | None) -> None:
+        if error is not None:
+            self._ready.set_exception(error)
+        else:
+            assert engine is not None
+            self._ready.set_result(engine)
+        if self._on_ready is not None:
+            self._on_ready(engine, error)
 
     def _engine_crashed(self, error: BaseException) -> None:
         # Engine thread: only enqueue.

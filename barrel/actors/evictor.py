@@ -12,8 +12,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from barrel.actors.bridge import call_sync
 from barrel.actors.child import Child, Exit, Link
-from barrel.actors.keepalive import UnloadIdle
+from barrel.actors.keepalive import Keepalive, UnloadIdle
+from barrel.actors.loader import Loader
 from barrel.actors.memory import available_bytes
 from barrel.actors.registry import Registry
 from barrel.actors.timers import Timer, Timers
@@ -69,8 +71,8 @@ class Evictor(Child):
         )
         if keepalive is None or loader is None:
             return
-        idle: list[str] = keepalive.proxy().idle_lru().get(timeout=5)
-        loaded = loader.proxy().loaded().get(timeout=5)
+        idle: list[str] = call_sync(keepalive, Keepalive.idle_lru)
+        loaded = call_sync(loader, Loader.loaded)
         victim = next((m for m in idle if m in loaded), None)
         if victim is not None:
             logger.warning(

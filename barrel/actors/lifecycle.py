@@ -1,11 +1,6 @@
-"""What a request handler uses to get an engine: admission, keep-alive and loading, from
-the event loop, through the bridge. One `acquire` / `release` pair per request.
-
-    lease = await lifecycle.acquire("qwen", keep_alive=30.0, on_queued=...)
-    try:
-        stream = lease.engine.submit(...)
-    finally:
-        await lifecycle.release(lease, keep_alive=30.0)
+"""The leases behind `Models.open`: admission, keep-alive and loading, from the event
+loop, through the bridge. One `acquire` / `release` pair per request; HTTP never sees a
+lease, only the `ModelSession` the facade makes of it.
 
 Order matters: the request takes its place in the model's FIFO queue, then counts as
 active for keep-alive (so no timer can unload the model under it), then waits for the
@@ -32,11 +27,14 @@ from barrel.actors.loader import Loader, ModelSpec, model_options_for
 from barrel.actors.memory import estimate, planner
 from barrel.actors.registry import Registry
 from barrel.actors.store_actor import StoreActor
-from barrel.config import Config, parse_duration
+from barrel.config import Config
 from barrel.engine.context import EngineOptions, KVType
 from barrel.engine.engine import Engine
 from barrel.errors import BarrelError, CallTimeout, NotFound, Unavailable
+from barrel.futures import Reply, ToLoop
 from barrel.store.gguf_meta import read_gguf
+from barrel.store.names import ModelName
+from barrel.store.store import ModelStore
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +54,22 @@ class Lease:
 
 
 class Lifecycle:
-    def __init__(self, config: Config, registry: Registry) -> None:
+    def __init__(self, config: Config, registry: Registry, store: ModelStore) -> None:
         self.config = config
         self.registry = registry
+        self.store = store
         self.progress_every = LOAD_PROGRESS_S
         # GGUF metadata of local files, by (path, size, mtime): read once, not per request.
         self._local_meta: dict[tuple[str, int, int], dict[str, Any]] = {}
         # Specs of local files, each reused for LOCAL_SPEC_TTL_S: a request to a busy
         # model then makes no catalog call and no stat on its way to the engine.
         self._local_specs: dict[str, tuple[float, ModelSpec]] = {}
+        # Specs of store models, by name: (checked at, manifest (size, mtime), spec). A
+        # spec is reused while its manifest file is unchanged (checked with one stat,
+        # at most every LOCAL_SPEC_TTL_S); a create, edit or pull rewrites the manifest.
+        self._store_specs: dict[str, tuple[float, tuple[int, int], ModelSpec]] = {}
+        # The engine each model's last request got (see `_engine`).
+        self._engines: dict[str, Engine] = {}
 
     # -- resolution -------------------------------------------------------------------
 
@@ -76,6 +81,9 @@ class Lifecycle:
         cached = self._local_specs.get(name)
         if cached is not None and now - cached[0] < LOCAL_SPEC_TTL_S:
             return cached[1]
+        stored = self._store_specs.get(name)
+        if stored is not None and now - stored[0] < LOCAL_SPEC_TTL_S:
+            return stored[2]
         catalog = self.registry.get("catalog")
         try:
             local = await bridge.call(catalog, Catalog.lookup, name)
@@ -85,6 +93,28 @@ class Lifecycle:
             return spec
         except NotFound:
             pass
+        return await self._store_spec(name, now)
+
+    async def _store_spec(self, name: str, now: float) -> ModelSpec:
+        stamp = await asyncio.to_thread(self._manifest_stamp, name)
+        cached = self._store_specs.get(name)
+        if cached is not None and stamp is not None and cached[1] == stamp:
+            self._store_specs[name] = (now, stamp, cached[2])
+            return cached[2]
+        spec = await self._read_store_spec(name)
+        if stamp is not None:
+            self._store_specs[name] = (now, stamp, spec)
+        return spec
+
+    def _manifest_stamp(self, name: str) -> tuple[int, int] | None:
+        """Worker thread: the manifest's (size, mtime), None if there is none to stat."""
+        try:
+            st = self.store.manifests.path(ModelName.parse(name)).stat()
+        except (OSError, BarrelError):
+            return None
+        return st.st_size, st.st_mtime_ns
+
+    async def _read_store_spec(self, name: str) -> ModelSpec:
         rec = await bridge.call(self.registry.get("store"), StoreActor.get, name)
         if rec.model_path is None:
             raise NotFound(f"model {name!r} has no weights")
@@ -187,8 +217,8 @@ class Lifecycle:
     ) -> Lease:
         name = spec.name
         admission = self.registry.get(ADMISSION)
+        keepalive = self.registry.get(KEEPALIVE)
         limits = QueueLimits(spec.engine.n_seq_max, spec.queue_depth)
-        loop = asyncio.get_running_loop()
         admitted = asyncio.Event()
 
         def notify(position: int) -> None:
@@ -197,9 +227,21 @@ class Lifecycle:
             elif on_queued is not None:
                 on_queued(position)
 
-        ticket, position = await bridge.call(
-            admission, Admission.enqueue, name, loop, notify, limits
+        # The queue place and the activity, asked together: one round trip of latency.
+        # Counting as active while queued keeps the model loaded for the queue too.
+        enqueued, activated = await asyncio.gather(
+            bridge.call(admission, Admission.enqueue, name, ToLoop().wrap(notify), limits),
+            bridge.call(keepalive, Keepalive.acquire, name),
+            return_exceptions=True,
         )
+        if isinstance(enqueued, BaseException) or isinstance(activated, BaseException):
+            ticket = NO_TICKET if isinstance(enqueued, BaseException) else enqueued[0]
+            if isinstance(activated, BaseException):
+                await self._give_back(name, ticket)
+            else:
+                await self._release(name, ticket, None)
+            raise enqueued if isinstance(enqueued, BaseException) else activated  # type: ignore[misc]
+        ticket, position = enqueued
         try:
             if position > 0:
                 if on_queued is not None:
@@ -210,10 +252,11 @@ class Lifecycle:
                     raise Unavailable(
                         f"waited {spec.queue_timeout:.0f}s in the queue of {name}", retry_after=5.0
                     ) from None
+            engine = await self._engine(spec, on_loading)
         except BaseException:
-            await self._give_back(name, ticket)
+            await self._release(name, ticket, None)
             raise
-        return await self._activate(spec, ticket, on_loading)
+        return Lease(name, ticket, engine, spec)
 
     async def unqueued(self, model: str) -> Lease:
         """A lease that takes no place in the model's queue: for work that does not
@@ -232,11 +275,22 @@ class Lifecycle:
             await self._give_back(spec.name, ticket)
             raise
         try:
-            engine = await self._load(spec, on_loading)
+            engine = await self._engine(spec, on_loading)
         except BaseException:
             await self._release(spec.name, ticket, None)
             raise
         return Lease(spec.name, ticket, engine, spec)
+
+    async def _engine(self, spec: ModelSpec, on_loading: Callable[[float], None] | None) -> Engine:
+        """The model's engine: the one a request had last, while it runs and its loader
+        is not stopping it (no actor call: the caller already counts as active, so an
+        idle unload sees it), else from the loader."""
+        cached = self._engines.get(spec.name)
+        if cached is not None and cached.alive and not cached.closing:
+            return cached
+        engine = await self._load(spec, on_loading)
+        self._engines[spec.name] = engine
+        return engine
 
     async def release(self, lease: Lease, keep_alive: float | None = None) -> None:
         await self._release(lease.model, lease.ticket, keep_alive)
@@ -271,9 +325,10 @@ class Lifecycle:
             idle = await bridge.call(self.registry.get(KEEPALIVE), Keepalive.idle_lru)
             plan = planner(models.memory_budget_bytes, idle, models.memory_budget_bytes > 0)
         loader = self.registry.get(LOADER)
-        fut = await bridge.call(loader, Loader.ensure, spec, plan, timeout=LOAD_ASK_TIMEOUT)
+        reply: Reply[Engine] = Reply()
+        await bridge.call(loader, Loader.ensure, spec, plan, reply, timeout=LOAD_ASK_TIMEOUT)
         timeout = models.defaults.load_timeout_s
-        loading = asyncio.wrap_future(fut)
+        loading = reply.future
         loop = asyncio.get_running_loop()
         start = loop.time()
         while True:
@@ -306,9 +361,15 @@ class Lifecycle:
         return spec
 
     async def unload(self, model: str) -> bool:
+        """Unload `model` and wait (at most LOAD_ASK_TIMEOUT) until it is gone."""
         name = self.config.resolve_alias(model)
         loader = self.registry.get(LOADER)
-        return bool(await bridge.call(loader, Loader.unload, name, timeout=LOAD_ASK_TIMEOUT))
+        done: Reply[bool] = Reply()
+        await bridge.call(loader, Loader.unload, name, done)
+        try:
+            return bool(await done.wait(LOAD_ASK_TIMEOUT))
+        except TimeoutError:
+            raise CallTimeout(f"model {name} did not unload within {LOAD_ASK_TIMEOUT}s") from None
 
     async def ps(self) -> list[dict[str, Any]]:
         """Loaded models with size, context, expiry, active and queued requests."""
@@ -335,17 +396,6 @@ class Lifecycle:
                 }
             )
         return out
-
-
-def keep_alive_seconds(value: Any, default: str) -> float:
-    """Ollama's keep_alive: seconds, a duration string, 0 = now, negative = forever."""
-    if value is None:
-        return parse_duration(default)
-    if isinstance(value, bool):
-        raise ValueError("keep_alive must be a number or a duration")
-    if isinstance(value, int | float):
-        return float(value)
-    return parse_duration(str(value))
 
 
 def _iso(ts: float) -> str:

@@ -6,14 +6,17 @@ fresh engine; crashes beyond that supervisor's intensity end it (it is a tempora
 of `models_sup`), the model is marked failed with its reason and its requests get 503,
 while other models keep serving.
 
-Concurrent requests for one model share one load: they all get the same future, which
-resolves to the engine or to the load's error. The actor never waits for a load: the
-worker loads in response to its own message, and the future completes from there.
+Concurrent requests for one model share one load: each `ensure` brings an `Answer`
+(a `Reply` on the caller's loop) that is settled with the engine, or the load's error,
+when the worker reports (`_Ready`). The actor never waits: the worker loads in response
+to its own message, and unloading sends the stop to the model's supervisor and hears back
+(`_Unloaded`), so `ensure` calls for other models are answered meanwhile. An engine whose
+thread died is never handed out: requests wait for the restarted worker's report.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -24,9 +27,10 @@ from typing import Any
 
 import pykka
 
+from barrel.actors.bridge import Answer, Call, call_sync
 from barrel.actors.child import Child, Link
-from barrel.actors.engine_worker import EngineBoard, EngineWorker
-from barrel.actors.keepalive import Forget, UnloadIdle
+from barrel.actors.engine_worker import EngineWorker
+from barrel.actors.keepalive import Forget, Keepalive, UnloadIdle
 from barrel.actors.registry import Registry
 from barrel.actors.supervisor import (
     ChildSpec,
@@ -41,7 +45,7 @@ from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LoadMode, ModelOptions
 from barrel.engine.residency import ResidencyTracker
-from barrel.errors import NotFound, Unavailable
+from barrel.errors import BarrelError, NotFound, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +82,23 @@ class ModelSpec:
 @dataclass
 class Loaded:
     spec: ModelSpec
-    future: concurrent.futures.Future[Engine]
+    generation: int  # which start of the model the worker reports belong to
+    engine: Engine | None = None  # the serving engine once reported
+    waiting: list[Answer] = field(default_factory=list)  # ensure calls awaiting it
     started_at: float = field(default_factory=time.time)
+
+    def ready(self) -> bool:
+        return self.engine is not None
+
+
+@dataclass
+class _Deferred:
+    """A load that waits for its victims (memory-aware loading) or for the model's own
+    earlier unload to finish."""
+
+    spec: ModelSpec
+    answer: Answer
+    blocked_by: set[str]
 
 
 SpecResolver = Callable[[str], ModelSpec]
@@ -110,7 +129,6 @@ class Loader(Child):
         super().__init__(link)
         self.tracker = tracker
         self.metrics = metrics
-        self.board = EngineBoard()
         self.registry = registry
         self.env = env
         self.models_sup = models_sup
@@ -119,14 +137,16 @@ class Loader(Child):
         self.period = period
         self._models: dict[str, Loaded] = {}
         self._failed: dict[str, tuple[str, float]] = {}
+        self._unloading: dict[str, list[Answer]] = {}
+        self._deferred: list[_Deferred] = []
+        self._generations = itertools.count(1)
 
     # -- API ------------------------------------------------------------------------
 
-    def ensure(
-        self, spec: ModelSpec, plan: Planner | None = None
-    ) -> concurrent.futures.Future[Engine]:
-        """The engine of `spec.name`, loading it if needed. `plan` (memory-aware loading)
-        names idle models to unload first, or raises to refuse the load."""
+    def ensure(self, spec: ModelSpec, plan: Planner | None, answer: Answer) -> None:
+        """Settle `answer` with the engine of `spec.name`, loading it if needed. `plan`
+        (memory-aware loading) names idle models to unload first, or raises to refuse the
+        load."""
         name = spec.name
         failed = self._failed.get(name)
         if failed is not None:
@@ -136,56 +156,70 @@ class Loader(Child):
             del self._failed[name]
         current = self._models.get(name)
         if current is not None:
-            if current.future.done() and current.future.exception() is not None:
-                return current.future  # the load failed: every waiter gets its cause
-            if self._alive(name, current):
-                return current.future
-            self._drop(name, "its supervisor gave up")
-            if name in self._failed:
+            if self.registry.whereis(sup_name(name)) is None:
+                self._drop(name, "its supervisor gave up")
                 raise ModelFailed(f"model {name} failed: {self._failed[name][0]}")
+            if current.engine is not None and current.engine.alive:
+                answer.resolve(current.engine)
+            else:
+                current.engine = None  # its thread died: the restarted worker will report
+                current.waiting.append(answer)
+            return
+        victims: set[str] = set()
         if plan is not None:
             loaded = [(m, lo.spec.estimate_bytes) for m, lo in self._models.items()]
-            for victim in plan(spec, loaded):
-                self.unload(victim)
-        return self._start(spec)
+            victims = {v for v in plan(spec, loaded) if self.unload(v)}
+        blocked = victims | ({name} if name in self._unloading else set())
+        if blocked:
+            self._deferred.append(_Deferred(spec, answer, blocked))
+            return
+        self._start(spec).waiting.append(answer)
 
-    def unload(self, name: str) -> bool:
-        """Stop the model's engine and free it; True if it was loaded."""
+    def unload(self, name: str, done: Answer | None = None) -> bool:
+        """Stop the model's engine and free it; True if it was loaded. Returns at once:
+        `done` hears True once the model is gone (False if it was not loaded)."""
+        self._closing(name, True)
         loaded = self._models.pop(name, None)
-        self.board.remove(worker_name(name))
         self._forget(name)
         sup = self.registry.whereis(self.models_sup)
         if loaded is None or sup is None:
+            if name in self._unloading and done is not None:
+                self._unloading[name].append(done)  # already on its way out
+                return True
+            if done is not None:
+                done.resolve(False)
             return False
+        # Requests waiting for this load wait on for the next one, after the unload.
+        self._deferred += [_Deferred(loaded.spec, w, {name}) for w in loaded.waiting]
+        self._unloading.setdefault(name, []).extend([done] if done is not None else [])
         try:
-            sup.proxy().terminate_child(sup_name(name)).get(timeout=60)
-        except NotFound:
-            pass
-        logger.info("model %s unloaded", name)
+            sup.tell(Call("terminate_child", (sup_name(name),), answer=_TellBack(self, name)))
+        except pykka.ActorDeadError:
+            self._unloaded(name)
         return True
 
     def loaded(self) -> dict[str, ModelSpec]:
-        return {
-            name: lo.spec
-            for name, lo in self._models.items()
-            if lo.future.done() and lo.future.exception() is None
-        }
+        return {name: lo.spec for name, lo in self._models.items() if lo.ready()}
 
     def failed(self) -> dict[str, str]:
         return {name: reason for name, (reason, _) in self._failed.items()}
 
     def on_receive(self, message: Any) -> Any:
-        if isinstance(message, _LoadFailed):
-            # The worker keeps failing to load: stop its restarts, remember why.
-            if message.model in self._models:
-                self.unload(message.model)
-                self._failed[message.model] = (message.reason, time.monotonic())
+        if isinstance(message, _Ready):
+            self._ready(message)
+            return None
+        if isinstance(message, _Unloaded):
+            self._unloaded(message.model)
             return None
         if isinstance(message, UnloadIdle):
+            # Closing first, then the activity check: a request that found the engine
+            # open counted itself active before, so the check sees it (guides/lifecycle.md).
+            engine = self._closing(message.model, True)
             ka = self.registry.whereis(self.keepalive)
             if ka is not None:
-                activity = ka.proxy().snapshot().get(timeout=5).get(message.model)
+                activity = call_sync(ka, Keepalive.snapshot).get(message.model)
                 if activity is not None and activity.active > 0:
+                    self._closing(message.model, False, engine)
                     return None  # a request started after the timer fired
             self.unload(message.model)
             return None
@@ -193,9 +227,9 @@ class Loader(Child):
 
     # -- internals ------------------------------------------------------------------
 
-    def _start(self, spec: ModelSpec) -> concurrent.futures.Future[Engine]:
+    def _start(self, spec: ModelSpec) -> Loaded:
         name = spec.name
-        future: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+        loaded = Loaded(spec, next(self._generations))
         worker = ChildSpec(
             worker_name(name),
             partial(
@@ -207,56 +241,72 @@ class Loader(Child):
                 residency=spec.residency,
                 tracker=self.tracker,
                 model=name,
-                board=self.board,
+                on_ready=partial(self._report, name, loaded.generation),
             ),
             restart=Restart.PERMANENT,
             shutdown=30.0,
         )
         flags = SupFlags(Strategy.ONE_FOR_ONE, self.intensity, self.period)
         tree = supervisor_spec(sup_name(name), flags, [worker], self.env, restart=Restart.TEMPORARY)
+        self._models[name] = loaded
         sup = self.registry.get(self.models_sup)
-        sup.proxy().start_child(sup_name(name), tree).get(timeout=60)
-        self._models[name] = Loaded(spec, future)
-        ready = self.board.get(worker_name(name))
-        if ready is None:
-            self.unload(name)
-            future.set_exception(ModelFailed(f"model {name} failed to start"))
-            return future
-        ready.add_done_callback(partial(_chain, future))
-        ready.add_done_callback(partial(self._load_done, name))
-        return future
+        call_sync(sup, Supervisor.start_child, sup_name(name), tree, timeout=60)
+        return loaded
 
-    def _load_done(self, name: str, ready: concurrent.futures.Future[Engine]) -> None:
-        # Worker thread: only enqueue.
-        if ready.exception() is not None:
-            try:
-                self.actor_ref.tell(_LoadFailed(name, str(ready.exception())))
-            except pykka.ActorDeadError:
-                pass
+    def _report(
+        self, name: str, generation: int, engine: Engine | None, error: BaseException | None
+    ) -> None:
+        # The worker's thread: only enqueue.
+        try:
+            self.actor_ref.tell(_Ready(name, generation, engine, error))
+        except pykka.ActorDeadError:
+            pass
 
-    def _alive(self, name: str, loaded: Loaded) -> bool:
-        """Still serving: refresh the future if the worker was restarted meanwhile."""
-        if self.registry.whereis(sup_name(name)) is None:
-            return False
-        if not loaded.future.done():
-            return True
-        if loaded.future.exception() is not None:
-            return False
-        engine = loaded.future.result()
-        if engine.alive:
-            return True
-        fresh = self.board.get(worker_name(name))
-        if fresh is None or (fresh.done() and not fresh.exception() and fresh.result() is engine):
-            return True  # restarting: the next ensure will find the new engine
-        loaded.future = fresh
-        return True
+    def _ready(self, msg: _Ready) -> None:
+        loaded = self._models.get(msg.model)
+        if loaded is None or loaded.generation != msg.generation:
+            return  # a report from a start that was unloaded since
+        waiting, loaded.waiting = loaded.waiting, []
+        if msg.error is not None:
+            # The worker cannot load the model: stop its restarts, remember why.
+            for waiter in waiting:
+                waiter.reject(msg.error)
+            self.unload(msg.model)
+            self._failed[msg.model] = (str(msg.error), time.monotonic())
+            return
+        loaded.engine = msg.engine
+        for waiter in waiting:
+            waiter.resolve(msg.engine)
+
+    def _unloaded(self, name: str) -> None:
+        logger.info("model %s unloaded", name)
+        for done in self._unloading.pop(name, []):
+            done.resolve(True)
+        for deferred in list(self._deferred):
+            deferred.blocked_by.discard(name)
+            if not deferred.blocked_by:
+                self._deferred.remove(deferred)
+                try:
+                    self.ensure(deferred.spec, None, deferred.answer)
+                except BarrelError as exc:
+                    deferred.answer.reject(exc)
+
+    def _closing(self, name: str, closing: bool, engine: Engine | None = None) -> Engine | None:
+        """Mark the model's engine as about to stop (or not any more)."""
+        loaded = self._models.get(name)
+        engine = engine or (loaded.engine if loaded is not None else None)
+        if engine is not None:
+            engine.closing = closing
+        return engine
 
     def _drop(self, name: str, reason: str) -> None:
-        self.board.remove(worker_name(name))
-        self._models.pop(name, None)
+        loaded = self._models.pop(name, None)
         entry = next((e for e in self.registry.entries() if e.name == sup_name(name)), None)
         why = entry.reason if entry and entry.reason else reason
         self._failed[name] = (why, time.monotonic())
+        if loaded is not None:
+            for waiter in loaded.waiting:
+                waiter.reject(ModelFailed(f"model {name} failed: {why}"))
         self._forget(name)
 
     def _forget(self, name: str) -> None:
@@ -265,22 +315,40 @@ class Loader(Child):
             ka.tell(Forget(name))
 
 
+class _TellBack:
+    """The answer of the models supervisor's terminate_child: back to the loader as a
+    message (whatever the outcome, the model's subtree is gone or was never there)."""
+
+    def __init__(self, loader: Loader, model: str) -> None:
+        self._ref = loader.actor_ref
+        self._model = model
+
+    def resolve(self, value: Any) -> None:
+        self._tell()
+
+    def reject(self, exc: BaseException) -> None:
+        if not isinstance(exc, NotFound):
+            logger.warning("stopping %s: %s", self._model, exc)
+        self._tell()
+
+    def _tell(self) -> None:
+        try:
+            self._ref.tell(_Unloaded(self._model))
+        except pykka.ActorDeadError:
+            pass
+
+
 @dataclass(frozen=True)
-class _LoadFailed:
+class _Ready:
     model: str
-    reason: str
+    generation: int
+    engine: Engine | None
+    error: BaseException | None
 
 
-def _chain(
-    target: concurrent.futures.Future[Engine], source: concurrent.futures.Future[Engine]
-) -> None:
-    if target.done():
-        return
-    exc = source.exception()
-    if exc is not None:
-        target.set_exception(exc)
-    else:
-        target.set_result(source.result())
+@dataclass(frozen=True)
+class _Unloaded:
+    model: str
 
 
 def model_options_for(params: dict[str, Any]) -> ModelOptions:

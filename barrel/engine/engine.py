@@ -43,7 +43,7 @@ from barrel.engine.slots import SlotManager
 from barrel.engine.stream import Stream
 from barrel.engine.types import Done, Event, FinishReason, GenerationRequest, RequestId
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.futures import reject, resolve
+from barrel.futures import Reply, ToLoop
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +98,13 @@ class _Cancel:
 class _Embed:
     inputs: list[list[int]]
     normalize: bool
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[list[list[float]]]
+    reply: Reply[list[list[float]]]
 
 
 @dataclass(frozen=True)
 class _Pin:
     tokens: list[int]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[int]
+    reply: Reply[int]
 
 
 @dataclass
@@ -115,8 +113,7 @@ class _PinJob:
 
     slot: Slot
     tokens: list[int]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[int]
+    reply: Reply[int]
     n_past: int = 0
 
 
@@ -174,6 +171,9 @@ class Engine:
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        # Set by the owner (any thread) before it decides to stop the engine: callers that
+        # cache the engine see it and go back to the owner instead (guides/lifecycle.md).
+        self.closing = False
         # Held while checking liveness and queueing, and while the dying thread drains its
         # inbox: no request can be queued after the last drain and hang.
         self._gate = threading.Lock()
@@ -219,12 +219,10 @@ class Engine:
 
     # -- API (any thread) -----------------------------------------------------------
 
-    def submit(
-        self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
-    ) -> Stream:
-        """Queue a generation; read the returned stream on `loop` (default: the running
-        loop). Bad input raises here, before anything is queued."""
-        loop = loop or asyncio.get_running_loop()
+    def submit(self, req: GenerationRequest) -> Stream:
+        """Queue a generation; read the returned stream on the calling event loop. Bad
+        input raises here, before anything is queued."""
+        to_loop = ToLoop()
         if self.options.embedding:
             raise InvalidRequest("this model is loaded for embeddings only")
         if not req.prompt:
@@ -237,7 +235,7 @@ class Engine:
         # the request before it is queued.
         sampler = Sampler(self.model, req.sampling, self.n_ctx)
         rid = RequestId(next(self._ids))
-        s = Stream(rid, loop, self.cancel, self._resume)
+        s = Stream(rid, to_loop, self.cancel, self._resume)
         with self._gate:
             if not self.alive:
                 sampler.free()
@@ -257,11 +255,10 @@ class Engine:
         *,
         normalize: bool = True,
         truncate: bool = False,
-        loop: asyncio.AbstractEventLoop | None = None,
     ) -> asyncio.Future[list[list[float]]]:
         """Pooled embeddings of `inputs` (token lists). An input longer than the batch
-        is cut to fit with `truncate`, else refused."""
-        loop = loop or asyncio.get_running_loop()
+        is cut to fit with `truncate`, else refused. Await the result on the calling
+        event loop."""
         if not self.options.embedding:
             raise InvalidRequest("this model is not loaded for embeddings")
         limit = min(self.n_ctx, self.options.n_ubatch, self.options.n_batch)
@@ -270,28 +267,25 @@ class Engine:
         for toks in inputs:
             if not toks or len(toks) > limit:
                 raise PromptTooLong(f"an input has {len(toks)} tokens; 1 to {limit} are allowed")
-        fut: asyncio.Future[list[list[float]]] = loop.create_future()
+        reply: Reply[list[list[float]]] = Reply()
         with self._gate:
             if not self.alive:
                 raise EngineStopped(f"engine {self.name} is not running", retry_after=1.0)
-            self._inbox.put(_Embed(inputs, normalize, loop, fut))
-        return fut
+            self._inbox.put(_Embed(inputs, normalize, reply))
+        return reply.future
 
-    def pin(
-        self, tokens: list[int], loop: asyncio.AbstractEventLoop | None = None
-    ) -> asyncio.Future[int]:
+    def pin(self, tokens: list[int]) -> asyncio.Future[int]:
         """Keep `tokens` (a static system + tools prefix) prefilled in a pinned sequence;
         requests starting with it share its KV cells instead of prefilling them. Resolves
         to the number of tokens pinned (0 if no pin sequence is configured)."""
-        loop = loop or asyncio.get_running_loop()
         if not tokens or len(tokens) >= self.n_ctx:
             raise PromptTooLong(f"a pinned prefix must have 1 to {self.n_ctx - 1} tokens")
-        fut: asyncio.Future[int] = loop.create_future()
+        reply: Reply[int] = Reply()
         with self._gate:
             if not self.alive:
                 raise EngineStopped(f"engine {self.name} is not running", retry_after=1.0)
-            self._inbox.put(_Pin(list(tokens), loop, fut))
-        return fut
+            self._inbox.put(_Pin(list(tokens), reply))
+        return reply.future
 
     def inject_fault(self, error: BaseException) -> None:
         """Tests only: make the engine thread raise `error` before its next step."""
@@ -347,7 +341,7 @@ class Engine:
             if isinstance(cmd, _Submit):
                 self._waiting.append(cmd.run)
             elif isinstance(cmd, _Embed):
-                cmd.loop.call_soon_threadsafe(reject, cmd.future, error)
+                cmd.reply.reject(error)
         if self._waiting:
             self._fail_all(error)
 
@@ -404,9 +398,9 @@ class Engine:
             slot = self.kv.pin_slot(cmd.tokens)
             if slot is None:
                 pinned = len(cmd.tokens) if self.kv.pins else 0
-                cmd.loop.call_soon_threadsafe(resolve, cmd.future, pinned)
+                cmd.reply.resolve(pinned)
             else:
-                self._pinning.append(_PinJob(slot, cmd.tokens, cmd.loop, cmd.future))
+                self._pinning.append(_PinJob(slot, cmd.tokens, cmd.reply))
         elif isinstance(cmd, _Fault):
             raise cmd.error
         elif isinstance(cmd, _Stop):
@@ -550,7 +544,7 @@ class Engine:
                 self._pinning.remove(job)
                 job.slot.busy = False
                 job.slot.touch()
-                job.loop.call_soon_threadsafe(resolve, job.future, len(job.tokens))
+                job.reply.resolve(len(job.tokens))
         self._pin_entries = []
 
     def _prompt_logprobs(self, run: Run) -> None:
@@ -606,9 +600,7 @@ class Engine:
         """One wake-up per event loop, carrying every sequence's events of this step."""
         runs = list(self._dirty.values())
         self._dirty.clear()
-        by_loop: dict[
-            asyncio.AbstractEventLoop, list[tuple[Stream, list[Event | BaseException]]]
-        ] = {}
+        by_loop: dict[ToLoop, list[tuple[Stream, list[Event | BaseException]]]] = {}
         for run in runs:
             if not run.out:
                 continue
@@ -617,18 +609,15 @@ class Engine:
             if run.stream.backlog > run.stream.high_water:
                 run.stream.paused = True
             by_loop.setdefault(run.stream.loop, []).append((run.stream, items))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(streams.deliver, batch)
-            except RuntimeError:
-                pass  # that loop is closed: its readers are gone
+        for to_loop, batch in by_loop.items():
+            to_loop.post(streams.deliver, batch)  # a closed loop: its readers are gone
 
     def _fail_pins(self, error: BarrelError) -> None:
         for job in self._pinning:
             job.slot.busy = False
             job.slot.tokens = []
             ll.llama_memory_seq_rm(self.kv.mem, job.slot.seq, -1, -1)
-            job.loop.call_soon_threadsafe(reject, job.future, error)
+            job.reply.reject(error)
         self._pinning.clear()
         self._pin_entries = []
 
@@ -654,9 +643,9 @@ class Engine:
                 cmd.normalize,
             )
         except BarrelError as exc:
-            cmd.loop.call_soon_threadsafe(reject, cmd.future, exc)
+            cmd.reply.reject(exc)
             return
-        cmd.loop.call_soon_threadsafe(resolve, cmd.future, result)
+        cmd.reply.resolve(result)
 
     def _free(self) -> None:
         if self.ctx is None:

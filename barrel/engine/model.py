@@ -1,7 +1,9 @@
 """A loaded GGUF model and its vocabulary, over llama.cpp's C API.
 
 Everything here is read-only after `load()` and safe from any thread: tokenizing and
-detokenizing use the vocabulary only, never a context.
+detokenizing use the vocabulary only, never a context. Users outside the engine hold the
+model (`retain` / `release`) while they use it: `free()` waits for the last of them, so
+an unload never frees the vocabulary under a tokenizer.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -93,6 +96,9 @@ class LlamaModel:
             ll.llama_model_is_recurrent(handle) or ll.llama_model_is_hybrid(handle)
         )
         self._freed = False
+        self._holds = 0
+        self._free_pending = False
+        self._hold_lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | Path, opts: ModelOptions | None = None) -> LlamaModel:
@@ -111,10 +117,42 @@ class LlamaModel:
             raise ModelLoadError(f"llama.cpp could not load {path}")
         return cls(path, handle, opts)
 
+    def retain(self) -> bool:
+        """Hold the model (any thread); False once it is freed or being freed."""
+        with self._hold_lock:
+            if self._freed or self._free_pending:
+                return False
+            self._holds += 1
+            return True
+
+    def release(self) -> None:
+        """Let go of a hold; the last one out frees a model whose free was asked for."""
+        with self._hold_lock:
+            self._holds -= 1
+            now = self._free_pending and self._holds == 0
+        if now:
+            self._free_now()
+
     def free(self) -> None:
-        if not self._freed:
+        """Free the model now, or when the last hold is released."""
+        with self._hold_lock:
+            if self._freed or self._free_pending:
+                return
+            if self._holds > 0:
+                self._free_pending = True
+                return
+        self._free_now()
+
+    @property
+    def freed(self) -> bool:
+        return self._freed or self._free_pending
+
+    def _free_now(self) -> None:
+        with self._hold_lock:
+            if self._freed:
+                return
             self._freed = True
-            ll.llama_model_free(self.handle)
+        ll.llama_model_free(self.handle)
 
     # -- metadata -----------------------------------------------------------------
 
