@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import platformdirs
@@ -230,3 +231,15 @@ def validate(config: Config, source: str) -> None:
             errors.append(f"supervision.{name}: intensity >= 0 and period_s > 0 required")
     if errors:
         raise ConfigError(f"{source}: " + "; ".join(errors))
+
+
+def keep_alive_seconds(value: Any, default: str) -> float:
+    """Ollama's keep_alive: seconds, a duration string, 0 = now, negative = forever;
+    None = `default`. ValueError on anything else."""
+    if value is None:
+        return parse_duration(default)
+    if isinstance(value, bool):
+        raise ValueError("keep_alive must be a number or a duration")
+    if isinstance(value, int | float):
+        return float(value)
+    return parse_duration(str(value))

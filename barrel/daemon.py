@@ -19,8 +19,8 @@ from aiohttp import web
 
 from barrel.config import Config
 from barrel.http.app import make_app
-from barrel.http.keys import RUNTIME
 from barrel.notify import notify, watchdog_interval
+from barrel.services import Services, build_services, running
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +49,18 @@ async def _serve(config: Config, local_models: Mapping[str, str]) -> int:
         notify("STOPPING=1")
         stop.set()
 
-    app = make_app(config, local_models=local_models, on_fatal=fatal, on_ready=ready)
+    services = build_services(config, local_models)
+    app = make_app(config, services)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping)
-    watchdog = asyncio.create_task(_watchdog(app), name="barrel-watchdog")
+    watchdog = asyncio.create_task(_watchdog(services), name="barrel-watchdog")
     try:
-        listened = await run_server(
-            app, config.server.host, config.server.port, config.server.shutdown_grace_s, stop
-        )
+        # The tree boots while the server starts listening, and stops after the server
+        # has drained its requests.
+        async with running(services, on_fatal=fatal, on_ready=ready):
+            listened = await run_server(
+                app, config.server.host, config.server.port, config.server.shutdown_grace_s, stop
+            )
     finally:
         watchdog.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -64,15 +68,14 @@ async def _serve(config: Config, local_models: Mapping[str, str]) -> int:
     return exit_code if listened else 1
 
 
-async def _watchdog(app: web.Application) -> None:
+async def _watchdog(services: Services) -> None:
     """WATCHDOG=1 every half WatchdogSec while the loop runs and the tree's root lives:
     a stuck loop or a dead tree lets systemd restart the daemon."""
     interval = watchdog_interval()
     if interval is None:
         return
-    runtime = app[RUNTIME]
     while True:
-        if runtime.root_exit is None:
+        if services.runtime.root_exit is None:
             notify("WATCHDOG=1")
         await asyncio.sleep(interval)
 
@@ -82,7 +85,7 @@ async def run_server(
 ) -> bool:
     """Serve `app` until `stop` is set, then shut down gracefully: stop accepting, give
     requests in flight `grace` seconds to finish, cancel the rest, run the app's
-    cleanup (which stops the tree). Returns False if it could not listen."""
+    cleanup. Returns False if it could not listen."""
     runner = web.AppRunner(
         app,
         handle_signals=False,

@@ -16,8 +16,7 @@ from aiohttp.test_utils import TestClient
 from barrel import __version__
 from barrel.actors.supervisor import ChildSpec, SupervisorEnv, SupFlags, supervisor_spec
 from barrel.config import Config
-from barrel.http.app import make_app
-from barrel.http.keys import RUNTIME
+from tests.apps import app_for, services_of
 from tests.probes import Probe, worker
 
 Client = TestClient[web.Request, web.Application]
@@ -39,13 +38,13 @@ def probe_tree(
 
 
 async def booted(client: Client) -> None:
-    runtime = client.server.app[RUNTIME]
+    runtime = services_of(client.server.app).runtime
     await asyncio.to_thread(runtime.booted.wait, 10)
 
 
 @pytest.fixture
 async def client(aiohttp_client: MakeClient) -> Client:
-    c = await aiohttp_client(make_app(Config()))
+    c = await aiohttp_client(app_for(Config()))
     await booted(c)
     return c
 
@@ -104,7 +103,7 @@ async def test_oversize_body_is_413_in_the_dialect_of_the_path(
 
 
 async def test_chunked_oversize_body_hits_the_same_cap(aiohttp_client: MakeClient) -> None:
-    app = make_app(cfg(limits={"max_request_body_bytes": 1000}))
+    app = app_for(cfg(limits={"max_request_body_bytes": 1000}))
     seen: list[int] = []
 
     async def echo(request: web.Request) -> web.Response:
@@ -140,7 +139,7 @@ async def test_dns_rebinding_defence_on_loopback(client: Client) -> None:
 async def test_any_host_is_accepted_when_bound_to_all_interfaces(
     aiohttp_client: MakeClient,
 ) -> None:
-    client = await aiohttp_client(make_app(cfg(server={"host": "0.0.0.0"})))
+    client = await aiohttp_client(app_for(cfg(server={"host": "0.0.0.0"})))
     assert (await client.get("/health", headers={"Host": "box.lan:8080"})).status == 200
 
 
@@ -153,7 +152,7 @@ async def test_cors_is_off_by_default(client: Client) -> None:
 
 
 async def test_cors_preflight_and_response_headers(aiohttp_client: MakeClient) -> None:
-    app = make_app(cfg(cors={"allow_origins": ["http://app.test"], "max_age_s": 99}))
+    app = app_for(cfg(cors={"allow_origins": ["http://app.test"], "max_age_s": 99}))
     client = await aiohttp_client(app)
     resp = await client.options(
         "/v1/chat/completions",
@@ -183,7 +182,7 @@ async def test_cors_preflight_and_response_headers(aiohttp_client: MakeClient) -
 
 
 async def test_api_keys(aiohttp_client: MakeClient) -> None:
-    client = await aiohttp_client(make_app(cfg(auth={"api_keys": ["sekret"]})))
+    client = await aiohttp_client(app_for(cfg(auth={"api_keys": ["sekret"]})))
     assert (await client.get("/health")).status == 200
     assert (await client.get("/health/ready")).status in (200, 503)
     resp = await client.get("/api/version")
@@ -200,7 +199,7 @@ async def test_api_keys(aiohttp_client: MakeClient) -> None:
 
 
 async def test_unexpected_handler_error_is_a_json_500(aiohttp_client: MakeClient) -> None:
-    app = make_app(Config())
+    app = app_for(Config())
 
     async def broken(_request: web.Request) -> web.Response:
         raise ZeroDivisionError
@@ -224,7 +223,7 @@ async def test_ready_is_503_until_the_tree_is_up(aiohttp_client: MakeClient) -> 
     probe = Probe()
     gate = threading.Event()
     probe.block_init["slow"] = gate
-    app = make_app(Config(), tree=probe_tree(probe, "fast", "slow"))
+    app = app_for(Config(), tree=probe_tree(probe, "fast", "slow"))
     client = await aiohttp_client(app)
     try:
         resp = await client.get("/health/ready")
@@ -243,10 +242,10 @@ async def test_ready_names_children_that_are_down(aiohttp_client: MakeClient) ->
     probe = Probe()
     # A restart that keeps failing is retried (by message) without end here: b stays down
     # while root keeps answering between attempts.
-    app = make_app(Config(), tree=probe_tree(probe, "a", "b", intensity=10**9))
+    app = app_for(Config(), tree=probe_tree(probe, "a", "b", intensity=10**9))
     client = await aiohttp_client(app)
     await booted(client)
-    runtime = app[RUNTIME]
+    runtime = services_of(app).runtime
     probe.fail_init["b"] = 10**9
     try:
         runtime.registry.get("b").tell("crash")
@@ -269,11 +268,11 @@ async def test_ready_names_children_that_are_down(aiohttp_client: MakeClient) ->
 
 async def test_slow_actor_does_not_block_health(aiohttp_client: MakeClient) -> None:
     probe = Probe()
-    app = make_app(Config(), tree=probe_tree(probe, "busy"))
+    app = app_for(Config(), tree=probe_tree(probe, "busy"))
     client = await aiohttp_client(app)
     await booted(client)
     gate = threading.Event()
-    busy = app[RUNTIME].registry.get("busy")
+    busy = services_of(app).runtime.registry.get("busy")
     busy.proxy().block(gate)  # the actor is now stuck in a long call
     try:
         ready = asyncio.create_task(client.get("/health/ready"))
@@ -299,10 +298,10 @@ async def test_slow_actor_does_not_block_health(aiohttp_client: MakeClient) -> N
 
 async def test_metrics(aiohttp_client: MakeClient) -> None:
     probe = Probe()
-    app = make_app(Config(), tree=probe_tree(probe, "w"))
+    app = app_for(Config(), tree=probe_tree(probe, "w"))
     client = await aiohttp_client(app)
     await booted(client)
-    registry = app[RUNTIME].registry
+    registry = services_of(app).runtime.registry
     old = registry.get("w")
     old.tell("crash")
     await asyncio.to_thread(registry.wait_for, "w", other_than=old, timeout=5)
@@ -320,7 +319,7 @@ async def test_metrics(aiohttp_client: MakeClient) -> None:
 
 async def test_tree_is_stopped_with_the_app(aiohttp_client: MakeClient) -> None:
     probe = Probe()
-    app = make_app(Config(), tree=probe_tree(probe, "a", "b"))
+    app = app_for(Config(), tree=probe_tree(probe, "a", "b"))
     client = await aiohttp_client(app)
     await booted(client)
     await client.close()
@@ -337,7 +336,7 @@ async def test_failed_boot_is_fatal(aiohttp_client: MakeClient) -> None:
         reasons.append(why)
         fatal.set()
 
-    app = make_app(Config(), tree=probe_tree(probe, "a"), on_fatal=on_fatal)
+    app = app_for(Config(), tree=probe_tree(probe, "a"), on_fatal=on_fatal)
     client = await aiohttp_client(app)
     await asyncio.wait_for(fatal.wait(), 5)
     assert "failed to start" in reasons[0]

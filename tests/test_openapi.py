@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from barrel.config import Config
-from barrel.http.app import make_app
+from tests.apps import app_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ def test_every_route_is_documented() -> None:
         for method in ops
         if method in ("get", "post", "delete", "head", "put")
     }
-    app = make_app(Config())
+    app = app_for(Config())
     served = set()
     for route in app.router.routes():
         info = route.resource.get_info() if route.resource else {}

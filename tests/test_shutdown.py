@@ -11,7 +11,7 @@ from aiohttp import web
 from barrel.actors.supervisor import ChildSpec, SupervisorEnv, SupFlags, supervisor_spec
 from barrel.config import Config
 from barrel.daemon import run_server
-from barrel.http.app import make_app
+from tests.apps import app_for
 from tests.daemon import free_port
 from tests.probes import Probe, worker
 
@@ -21,7 +21,7 @@ def app_with_stream(probe: Probe, chunks: int, started: asyncio.Event) -> web.Ap
         children = [ChildSpec(n, worker(probe)) for n in ("a", "b")]
         return supervisor_spec("root", SupFlags(), children, env)
 
-    app = make_app(Config(), tree=tree)
+    app = app_for(Config(), tree=tree)
 
     async def stream(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from barrel.http.keys import LIFECYCLE
+from tests.apps import services_of
 from tests.test_lifecycle import MakeClient, start
 
 ASK = {"role": "user", "content": "Hello"}
@@ -36,7 +36,7 @@ async def _crash_mid_stream(client: Any, path: str, body: dict[str, Any]) -> str
     assert resp.status == 200
     first = await resp.content.readline()
     assert first.strip()
-    lc = client.server.app[LIFECYCLE]
+    lc = services_of(client.server.app).models.lifecycle
     lease = await lc.acquire("tiny")
     lease.engine.inject_fault(RuntimeError("engine thread killed"))
     await lc.release(lease)

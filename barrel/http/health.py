@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from barrel import __version__
-from barrel.actors import bridge
-from barrel.actors.child import Child
-from barrel.errors import BarrelError
-from barrel.http.keys import METRICS, RUNTIME
+from barrel.http.keys import METRICS, MODELS
 from barrel.metrics import CONTENT_TYPE
-
-# A readiness probe waits this long for each actor to answer a ping from its own thread.
-READY_PING_TIMEOUT = 1.0
 
 routes = web.RouteTableDef()
 
@@ -34,35 +26,12 @@ async def health(_request: web.Request) -> web.Response:
 @routes.get("/health/ready")
 async def ready(request: web.Request) -> web.Response:
     """Readiness: the tree is booted and every registered actor answers a ping."""
-    runtime = request.app[RUNTIME]
-    if not runtime.booted.is_set():
+    state = await request.app[MODELS].readiness()
+    if not state.booted:
         return web.json_response({"status": "starting", "down": []}, status=503)
-    entries = runtime.registry.entries()
-    down = [
-        {"name": e.name, "state": e.state, "reason": e.reason}
-        for e in entries
-        if e.ref is None or not e.ref.is_alive()
-    ]
-    live = [e for e in entries if e.ref is not None and e.ref.is_alive()]
-
-    async def probe(ref: object) -> str | None:
-        try:
-            await bridge.call(ref, Child.ping, timeout=READY_PING_TIMEOUT)  # type: ignore[arg-type]
-        except BarrelError as exc:
-            return exc.message
-        return None
-
-    answers = await asyncio.gather(*(probe(e.ref) for e in live))
-    down += [
-        {"name": e.name, "state": "unresponsive", "reason": why}
-        for e, why in zip(live, answers, strict=True)
-        if why is not None
-    ]
-    if down:
-        return web.json_response(
-            {"status": "degraded", "down": sorted(down, key=lambda d: d["name"])}, status=503
-        )
-    return web.json_response({"status": "ready", "actors": len(live)})
+    if state.down:
+        return web.json_response({"status": "degraded", "down": state.down}, status=503)
+    return web.json_response({"status": "ready", "actors": state.live})
 
 
 @routes.get("/metrics")

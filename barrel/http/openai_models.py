@@ -15,31 +15,19 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from barrel.actors import bridge
-from barrel.actors.catalog import Catalog
-from barrel.actors.store_actor import StoreActor
 from barrel.errors import InvalidRequest, NotFound
-from barrel.http.keys import CONFIG, LIFECYCLE, RUNTIME
+from barrel.http.keys import CONFIG, MODELS
 from barrel.http.ollama_gen import shorten_embedding
 from barrel.http.openai_common import decode
 
 routes = web.RouteTableDef()
 
-STORE_TIMEOUT = 30.0
-
 
 async def _models(request: web.Request) -> dict[str, int]:
     """Every servable model name with its creation time (Unix seconds)."""
-    registry = request.app[RUNTIME].registry
     out: dict[str, int] = {}
-    for local in await bridge.call(registry.get("catalog"), Catalog.list_models):
-        mtime = (await asyncio.to_thread(local.path.stat)).st_mtime
-        out[local.name] = int(mtime)
-    records = await bridge.call(
-        registry.get("store"), StoreActor.list_models, timeout=STORE_TIMEOUT
-    )
-    for rec in records:
-        out.setdefault(str(rec.name), int(rec.modified_at))
+    for entry in await request.app[MODELS].manage.all_models():
+        out.setdefault(entry.name, int(entry.modified_at))
     return out
 
 
@@ -72,15 +60,10 @@ async def retrieve_model(request: web.Request) -> web.Response:
     models = await _models(request)
     if name not in models:
         try:  # a name the store resolves (a default tag, a full registry path)
-            rec = await bridge.call(
-                request.app[RUNTIME].registry.get("store"),
-                StoreActor.get,
-                name,
-                timeout=STORE_TIMEOUT,
-            )
+            found = await request.app[MODELS].manage.find(name)
         except NotFound:
             raise NotFound(f"the model {asked!r} does not exist", param="model") from None
-        return web.json_response(_entry(asked, int(rec.modified_at), str(rec.name)))
+        return web.json_response(_entry(asked, int(found.modified_at), found.name))
     return web.json_response(_entry(asked, models[name], name))
 
 
@@ -133,18 +116,14 @@ async def embeddings(request: web.Request) -> web.Response:
         raise InvalidRequest("encoding_format must be float or base64", param="encoding_format")
     if body.dimensions is not None and body.dimensions < 1:
         raise InvalidRequest("dimensions must be at least 1", param="dimensions")
-    lifecycle = request.app[LIFECYCLE]
-    lease = await lifecycle.embedder(body.model)
-    try:
-        model = lease.engine.model
-        if any(t >= model.n_vocab for item in items if isinstance(item, list) for t in item):
-            raise InvalidRequest(f"token ids must be below {model.n_vocab}", param="input")
+    async with request.app[MODELS].open(body.model, embedding=True) as session:
+        for item in items:
+            if isinstance(item, list):
+                session.check_tokens(item, "input")
         tokens = await asyncio.to_thread(
-            lambda: [model.tokenize(t) if isinstance(t, str) else list(t) for t in items]
+            lambda: [session.tokenize(t) if isinstance(t, str) else list(t) for t in items]
         )
-        vectors = await lease.engine.embed(tokens)
-    finally:
-        await lifecycle.release(lease)
+        vectors = await session.embed(tokens)
     if body.dimensions is not None and vectors and body.dimensions > len(vectors[0]):
         raise InvalidRequest(
             f"dimensions must be at most {len(vectors[0])} for this model", param="dimensions"

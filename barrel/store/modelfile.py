@@ -31,6 +31,11 @@ def _bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def looks_like_path(text: str) -> bool:
+    """A FROM (or ADAPTER) naming a file rather than a model or a digest."""
+    return text.startswith(("/", "./", "../", "~")) or text.endswith(".gguf") or "\\" in text
+
+
 WEIGHT_RESIDENCY = ("eager", "lazy", "pinned", "lazy_then_pin_resident")
 
 # Every llama.cpp / Ollama parameter Barrel accepts, with its type.

@@ -19,7 +19,12 @@ from barrel.store import manifests as mt
 from barrel.store.blobs import BlobStore
 from barrel.store.gguf_meta import GGUFInfo, read_gguf
 from barrel.store.manifests import Layer, Manifest, ManifestStore
-from barrel.store.modelfile import Modelfile, ModelfileError, normalize_parameters
+from barrel.store.modelfile import (
+    Modelfile,
+    ModelfileError,
+    looks_like_path,
+    normalize_parameters,
+)
 from barrel.store.names import ModelName, parse_digest
 
 logger = logging.getLogger(__name__)
@@ -226,7 +231,7 @@ class ModelStore:
         elif spec.from_.startswith("sha256"):
             parse_digest(spec.from_)
             model, config = self.model_layer(spec.from_)
-        elif _looks_like_path(spec.from_):
+        elif looks_like_path(spec.from_):
             path = self.import_path(spec.from_)
             with path.open("rb") as f:
                 digest = self.blobs.put_stream(iter(lambda: f.read(1 << 20), b""))
@@ -318,10 +323,6 @@ class ModelStore:
         for p in partials:
             p.unlink(missing_ok=True)
         return removed, partials
-
-
-def _looks_like_path(text: str) -> bool:
-    return text.startswith(("/", "./", "../", "~")) or text.endswith(".gguf") or "\\" in text
 
 
 def modified_iso(ts: float) -> str:

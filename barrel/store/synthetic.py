@@ -36,6 +36,8 @@ class TinyShape:
     # included) instead of repeating one token.
     weight_scale: float = 0.5
     embed_scale: float = 0.5
+    # The authors' recommended sampling (`general.sampling.<key>`), e.g. (("temp", 0.6),)
+    sampling: tuple[tuple[str, float], ...] = ()
 
     def key(self) -> str:
         raw = repr(self).encode()
@@ -91,6 +93,11 @@ def write_tiny_gguf(path: Path, source: Path, shape: TinyShape = TinyShape()) ->
     w.add_pad_token_id(int(tok["tokenizer.ggml.padding_token_id"]))
     w.add_add_bos_token(bool(tok["tokenizer.ggml.add_bos_token"]))
     w.add_chat_template(str(tok["tokenizer.chat_template"]))
+    for key, value in shape.sampling:
+        if float(value).is_integer() and key in ("top_k", "penalty_last_n", "mirostat"):
+            w.add_int32(f"general.sampling.{key}", int(value))
+        else:
+            w.add_float32(f"general.sampling.{key}", float(value))
 
     # numpy shapes are ggml's ne reversed: a (rows, cols) matrix maps cols -> rows.
     # No output.weight: llama.cpp's qwen2 ties it to token_embd.

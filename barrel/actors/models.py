@@ -1,0 +1,186 @@
+"""The facade HTTP talks to: models to open, manage and watch.
+
+    async with models.open("qwen", on_queued=..., on_loading=...) as session:
+        prep = await session.prepare(req, await session.template())
+        async for event in session.run(req, prep): ...
+
+`open` takes a lease (a place in the model's FIFO queue, activity for keep-alive, the
+loaded engine; see `barrel.actors.lifecycle`) and yields a `ModelSession` valid only
+inside the block. Model management (`models.manage`), loaded models (`ps`), status and
+readiness go through here too, so HTTP never holds an engine, a store or an actor ref.
+
+Runs on the event loop; every actor is reached through `barrel.actors.bridge`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from barrel.actors import bridge
+from barrel.actors.child import Child
+from barrel.actors.lifecycle import Lease, Lifecycle
+from barrel.actors.manage import ModelManager
+from barrel.actors.model_session import ModelCaches, ModelSession
+from barrel.actors.runtime import Runtime
+from barrel.config import Config, keep_alive_seconds
+from barrel.engine.errors import EngineStopped
+from barrel.engine.residency import ResidencyTracker
+from barrel.errors import BarrelError
+from barrel.metrics import Metrics
+from barrel.store.store import ModelStore
+
+logger = logging.getLogger(__name__)
+
+# A readiness probe waits this long for each actor to answer a ping from its own thread.
+READY_PING_TIMEOUT = 1.0
+
+
+@dataclass(frozen=True)
+class Readiness:
+    booted: bool
+    down: list[dict[str, Any]]
+    live: int
+
+
+class Models:
+    def __init__(
+        self,
+        config: Config,
+        runtime: Runtime,
+        store: ModelStore,
+        metrics: Metrics,
+        residency: ResidencyTracker,
+    ) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.lifecycle = Lifecycle(config, runtime.registry, store)
+        self.manage = ModelManager(config, runtime.registry, store)
+        self.metrics = metrics
+        self.residency = residency
+        self._caches = ModelCaches()
+
+    # -- sessions -----------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open(
+        self,
+        model: str,
+        *,
+        keep_alive: float | None = None,
+        on_queued: Callable[[int], None] | None = None,
+        on_loading: Callable[[float], None] | None = None,
+        queued: bool = True,
+        embedding: bool = False,
+    ) -> AsyncIterator[ModelSession]:
+        """A session on `model` for the block's duration. `queued=False` takes no place in
+        the queue (tokenizing, counting: they must not wait behind generation);
+        `embedding` opens the model's embedding context. `on_queued(position)` and
+        `on_loading(seconds)` hear the wait (for SSE comments and pings)."""
+        lc = self.lifecycle
+        if embedding:
+            lease = await lc.embedder(model, keep_alive)
+        elif queued:
+            lease = await lc.acquire(model, keep_alive, on_queued=on_queued, on_loading=on_loading)
+        else:
+            lease = await lc.unqueued(model)
+        try:
+            async with self._held(lease) as session:
+                yield session
+        finally:
+            await lc.release(lease, keep_alive)
+
+    @asynccontextmanager
+    async def _held(self, lease: Lease) -> AsyncIterator[ModelSession]:
+        llama = lease.engine.model
+        if not llama.retain():
+            raise EngineStopped(f"model {lease.model} was unloaded; try again", retry_after=1.0)
+        session = ModelSession(
+            lease.spec, lease.engine, self._caches, self.metrics.pipeline_timings
+        )
+        try:
+            yield session
+        finally:
+            session.close()
+            llama.release()
+
+    def keep_alive(self, value: Any) -> float:
+        """Ollama's keep_alive: seconds, a duration string, 0 = now, negative = forever;
+        None = the configured default. ValueError on anything else."""
+        return keep_alive_seconds(value, self.config.models.default_keep_alive)
+
+    async def preload(self, model: str, keep_alive: float | None = None) -> None:
+        await self.lifecycle.preload(model, keep_alive)
+
+    async def unload(self, model: str) -> bool:
+        return await self.lifecycle.unload(model)
+
+    async def ps(self) -> list[dict[str, Any]]:
+        return await self.lifecycle.ps()
+
+    # -- status -------------------------------------------------------------------------
+
+    async def status(self) -> dict[str, Any]:
+        """Loaded models with live engine figures, recent requests, pulls and restarts
+        (for `barrel top`)."""
+        metrics = self.metrics
+        resident = await asyncio.to_thread(self.residency.resident)
+        models = []
+        for m in await self.ps():
+            live = metrics.live.get(m["name"])
+            models.append(
+                {
+                    **m,
+                    "state": "busy" if m["running"] else "idle",
+                    "resident_bytes": resident.get(m["name"], 0),
+                    "tokens_per_s": round(live.tokens_per_s(), 2) if live else 0.0,
+                    "active_sequences": live.active if live else 0,
+                    "kv_cells_used": live.kv_cells if live else 0,
+                    "cache_hit_ratio": round(live.cache_hit_ratio(), 4) if live else 0.0,
+                    "generated_tokens": live.generated if live else 0,
+                    "requests_done": live.requests if live else 0,
+                }
+            )
+        return {
+            "models": models,
+            "recent_requests": list(metrics.recent)[::-1],
+            "pulls": await self.manage.pulls(),
+            "restarts": dict(metrics.restart_counts),
+        }
+
+    async def readiness(self) -> Readiness:
+        """Whether the tree is booted and which registered actors are down or do not
+        answer a ping from their own thread."""
+        runtime = self.runtime
+        if not runtime.booted.is_set():
+            return Readiness(False, [], 0)
+        entries = runtime.registry.entries()
+        down = [
+            {"name": e.name, "state": e.state, "reason": e.reason}
+            for e in entries
+            if e.ref is None or not e.ref.is_alive()
+        ]
+        live = [e for e in entries if e.ref is not None and e.ref.is_alive()]
+
+        async def probe(ref: Any) -> str | None:
+            try:
+                await bridge.call(ref, Child.ping, timeout=READY_PING_TIMEOUT)
+            except BarrelError as exc:
+                return exc.message
+            return None
+
+        answers = await asyncio.gather(*(probe(e.ref) for e in live))
+        down += [
+            {"name": e.name, "state": "unresponsive", "reason": why}
+            for e, why in zip(live, answers, strict=True)
+            if why is not None
+        ]
+        return Readiness(True, sorted(down, key=lambda d: d["name"]), len(live))
+
+    @property
+    def tree_alive(self) -> bool:
+        return self.runtime.root_exit is None
