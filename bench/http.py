@@ -34,8 +34,8 @@ from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import Delta, Done, GenerationRequest, SamplingParams, SessionId
-from barrel.http.ollama_gen import sampling_from
 from barrel.pipeline.chat import ChatRequest, make_template, prepare
+from barrel.pipeline.sampling import Dialect, effective, sampling_params
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.toolcalls import detect_family
 from barrel.store import bundled
@@ -80,7 +80,8 @@ async def engine_request(
 async def engine_round(
     engine: Engine, model: LlamaModel, clients: int, n: int
 ) -> tuple[float, list[float]]:
-    sampling = sampling_from({"temperature": 0}, {})[0]
+    # what the HTTP side samples with: OpenAI's defaults under the request's temperature
+    sampling = sampling_params(effective(Dialect.OPENAI, {"temperature": 0}, {}, {}))[0]
     jobs = []
     for i in range(clients):
         msgs = messages(i)

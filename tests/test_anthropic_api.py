@@ -136,8 +136,11 @@ def test_tool_round_trip_auto_on_qwen(client: anthropic.Anthropic) -> None:
             ],
         },
     ]
+    # Qwen 0.5B at greedy, without a repeat penalty (Anthropic's default), answers a
+    # tool's result by calling the tool again; llama-server's repeat_penalty lets it answer.
+    unstuck = {**GREEDY, "repeat_penalty": 1.1}
     final = client.messages.create(
-        model="qwen", max_tokens=64, extra_body=GREEDY, tools=[WEATHER], messages=follow
+        model="qwen", max_tokens=64, extra_body=unstuck, tools=[WEATHER], messages=follow
     )
     assert final.stop_reason == "end_turn"
     answer = "".join(b.text for b in final.content if b.type == "text")

@@ -25,7 +25,10 @@ from tests.tools import SHORT, WEATHER
 pytestmark = pytest.mark.real_model
 
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
-# greedy, Qwen writes all 600 tokens for this: a request that holds its slot for long
+# Qwen 0.5B at greedy, without a repeat penalty (OpenAI's default), answers a tool's
+# result by calling the tool again; llama-server's repeat_penalty lets it answer.
+UNSTUCK = {"repeat_penalty": 1.1}
+# greedy, Qwen counts for hundreds of tokens: a request that holds its slot for long
 COUNT: Any = [
     {"role": "user", "content": "Write the numbers from 1 to 200 in words, one per line."}
 ]
@@ -145,7 +148,12 @@ def test_streamed_tool_call_auto_on_qwen_is_assembled(client: openai.OpenAI) -> 
         {"role": "tool", "tool_call_id": call.id, "content": "22 degrees, sunny"},
     ]
     answer = client.chat.completions.create(
-        model="qwen", messages=follow, tools=[WEATHER], temperature=0, max_tokens=60
+        model="qwen",
+        messages=follow,
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=60,
+        extra_body=UNSTUCK,
     )
     assert answer.choices[0].finish_reason == "stop"
     assert "22" in (answer.choices[0].message.content or "")
@@ -611,6 +619,7 @@ def test_responses_function_call_round_trip(client: openai.OpenAI) -> None:
         tools=[tool],
         temperature=0,
         max_output_tokens=60,
+        extra_body=UNSTUCK,
     )
     assert "22" in second.output_text
 
@@ -652,9 +661,17 @@ def solo(
 
 @contextmanager
 def _holding(url: str) -> Iterator[httpx.Response]:
-    """A streaming request that takes the only slot for ~25 s unless its response is
-    closed (the client goes away)."""
-    body = {"model": "qwen", "messages": COUNT, "temperature": 0, "max_tokens": 600}
+    """A streaming request that takes the only slot for 1,500 tokens (~25 s at 60 tok/s)
+    unless its response is closed (the client goes away)."""
+    # end-of-turn tokens banned: the count goes on for all its tokens
+    no_end = {"151643": -100, "151645": -100}
+    body = {
+        "model": "qwen",
+        "messages": COUNT,
+        "temperature": 0,
+        "max_tokens": 1500,
+        "logit_bias": no_end,
+    }
     with (
         httpx.Client(timeout=60) as client,
         client.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as r,
@@ -683,7 +700,7 @@ def test_a_disconnect_frees_the_slot_for_a_waiting_request(solo: Daemon) -> None
     assert rest[-1] == "data: [DONE]"
     frames = [json.loads(f[6:]) for f in rest[:-1]]
     assert "Paris" in "".join(f["choices"][0]["delta"].get("content") or "" for f in frames)
-    # well within the queue timeout (6 s): the 600-token request did not run to its end
+    # well within the queue timeout (6 s): the 1,500-token request did not run to its end
     assert time.monotonic() - started < 6
 
 
@@ -702,7 +719,7 @@ def test_a_failure_mid_stream_sends_an_error_frame(solo: Daemon) -> None:
             timeout=60,
         )
         lines = [line for line in raw.text.splitlines() if line]
-        assert lines[0] == ": queued, position 1"
+        assert lines[0] == ": queued, position 1", lines
         error = json.loads(lines[-1][6:])["error"]
         assert error["type"] == "server_error"
         assert error["code"] == "unavailable"

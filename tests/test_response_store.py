@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from barrel.http.response_store import ResponseStore
+from barrel.pipeline.request import text
 
 
 class Clock:
@@ -14,7 +15,7 @@ class Clock:
 
 
 def _put(store: ResponseStore, rid: str) -> None:
-    store.put({"id": rid}, [{"role": "user", "content": rid}])
+    store.put({"id": rid}, (text("user", rid),))
 
 
 def test_entries_expire_after_their_ttl() -> None:
@@ -25,7 +26,7 @@ def test_entries_expire_after_their_ttl() -> None:
     _put(store, "b")
     got = store.get("a")
     assert got is not None
-    assert got.messages == [{"role": "user", "content": "a"}]
+    assert got.messages == (text("user", "a"),)
     clock.now += 5  # a is 11 s old, b 5 s
     assert store.get("a") is None
     assert store.get("b") is not None

@@ -18,24 +18,14 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from barrel.actors.lifecycle import Lease
-from barrel.engine.engine import Engine
-from barrel.engine.types import Delta, Done, GenerationRequest, TokenLogprob, Usage
+from barrel.actors.model_session import ModelSession
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.http.leases import fim_prompt
-from barrel.http.openai_common import (
-    Knobs,
-    check_knobs,
-    decode,
-    include_usage,
-    leased,
-    merged,
-    new_id,
-    sampling_for,
-    stream_failed,
-    unqueued,
-)
+from barrel.http.codecs import new_id
+from barrel.http.codecs.openai_common import Knobs, check_knobs, include_usage
+from barrel.http.generate import merged
+from barrel.http.openai_common import decode, leased, sampling_for, stream_failed, unqueued
 from barrel.http.sse import SseWriter
+from barrel.pipeline.types import Delta, Done, GenerationRequest, TokenLogprob, Usage
 
 routes = web.RouteTableDef()
 
@@ -82,23 +72,25 @@ def _check(body: CompletionBody) -> list[str | list[int]]:
     return prompts
 
 
-def _tokens(lease: Lease, prompts: list[str | list[int]], suffix: str | None) -> list[list[int]]:
-    model = lease.engine.model
+def _tokens(
+    session: ModelSession, prompts: list[str | list[int]], suffix: str | None
+) -> list[list[int]]:
     out = []
     for p in prompts:
         if isinstance(p, list):
-            if any(t < 0 or t >= model.n_vocab for t in p):
-                raise InvalidRequest(f"token ids must be below {model.n_vocab}", param="prompt")
+            session.check_tokens(p, "prompt")
             out.append(list(p))
         elif suffix:
-            out.append(fim_prompt(model, p, suffix))
+            out.append(session.fim_prompt(p, suffix))
         else:
-            out.append(model.tokenize(p, add_special=True))
+            out.append(session.tokenize(p, add_special=True))
     return out
 
 
-async def _generate(engine: Engine, req: GenerationRequest) -> AsyncGenerator[Delta | Done, None]:
-    async with engine.submit(req) as stream:
+async def _generate(
+    session: ModelSession, req: GenerationRequest
+) -> AsyncGenerator[Delta | Done, None]:
+    async with session.submit(req) as stream:
         async for event in stream:
             yield event
             if isinstance(event, Done):
@@ -168,10 +160,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     texts = _check(body)
     sse = SseWriter(request) if body.stream else None
     try:
-        async with leased(request, body.model, sse) as lease:
-            prompts = await asyncio.to_thread(_tokens, lease, texts, body.suffix)
-            sampling, max_tokens, stop = sampling_for(body, lease, body.logprobs)
-            if body.max_tokens is None and lease.spec.parameters.get("num_predict") is None:
+        async with leased(request, body.model, sse) as session:
+            prompts = await asyncio.to_thread(_tokens, session, texts, body.suffix)
+            sampling, max_tokens, stop = sampling_for(body, session, body.logprobs)
+            if body.max_tokens is None and session.spec.parameters.get("num_predict") is None:
                 max_tokens = DEFAULT_MAX_TOKENS
             scoring = body.echo and body.logprobs is not None
             reqs = [
@@ -182,11 +174,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 for _ in range(body.n)
             ]
             echoes = [
-                _echo(lease, t, p, scoring) if body.echo else ""
+                _echo(session, t, p, scoring) if body.echo else ""
                 for t, p in zip(texts, prompts, strict=True)
                 for _ in range(body.n)
             ]
-            out = await _complete(sse, body, lease, reqs, echoes, prompts)
+            out = await _complete(sse, body, session, reqs, echoes, prompts)
             if out is not None:
                 return web.json_response(out)
     except ConnectionError:
@@ -197,22 +189,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await sse.close()
 
 
-def _piece(lease: Lease, token: int) -> str:
-    return lease.engine.model.piece(token).decode("utf-8", errors="replace")
-
-
-def _echo(lease: Lease, text: str | list[int], prompt: list[int], scoring: bool) -> str:
+def _echo(session: ModelSession, text: str | list[int], prompt: list[int], scoring: bool) -> str:
     """The prompt as the answer's head: as sent, or, when its tokens are scored, the
     tokens' pieces (so that the offsets of their logprobs point into it)."""
     if scoring:
-        return "".join(_piece(lease, t) for t in prompt)
-    return text if isinstance(text, str) else lease.engine.detokenize(prompt)
+        return "".join(session.piece(t) for t in prompt)
+    return text if isinstance(text, str) else session.detokenize(prompt)
 
 
 async def _complete(
     sse: SseWriter | None,
     body: CompletionBody,
-    lease: Lease,
+    session: ModelSession,
     reqs: list[GenerationRequest],
     echoes: list[str],
     prompts: list[list[int]],
@@ -245,7 +233,7 @@ async def _complete(
     for i in set(range(len(reqs))) - set(live):
         finish[i] = "length"
         await send(i, "", None, "length")
-    streams = [_generate(lease.engine, reqs[i]) for i in live]
+    streams = [_generate(session, reqs[i]) for i in live]
     async for k, event in merged(streams):
         i = live[k]
         if isinstance(event, Delta):
@@ -259,7 +247,7 @@ async def _complete(
             usages[i] = event.usage
             if reqs[i].prompt_logprobs:  # the prompt's entries go in front
                 head_lps = _Logprobs(0)
-                head_lps.first(_piece(lease, reqs[i].prompt[0]))
+                head_lps.first(session.piece(reqs[i].prompt[0]))
                 head_lps.add(event.prompt_logprobs)
                 logprobs[i] = head_lps.then(logprobs[i])
             await send(i, "", None, finish[i])
@@ -301,23 +289,18 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
 @routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
     body = await decode(request, TokenizeBody)
-    async with unqueued(request, body.model) as lease:
-        model = lease.engine.model
-        ids = await asyncio.to_thread(model.tokenize, body.content, add_special=body.add_special)
-    if not body.with_pieces:
-        return web.json_response({"tokens": ids})
-    pieces = [
-        {"id": t, "piece": model.piece(t, special=True).decode(errors="replace")} for t in ids
-    ]
+    async with unqueued(request, body.model) as session:
+        ids = await asyncio.to_thread(session.tokenize, body.content, add_special=body.add_special)
+        if not body.with_pieces:
+            return web.json_response({"tokens": ids})
+        pieces = [{"id": t, "piece": session.piece(t, special=True)} for t in ids]
     return web.json_response({"tokens": pieces})
 
 
 @routes.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
     body = await decode(request, DetokenizeBody)
-    async with unqueued(request, body.model) as lease:
-        model = lease.engine.model
-        if any(t < 0 or t >= model.n_vocab for t in body.tokens):
-            raise InvalidRequest(f"token ids must be below {model.n_vocab}", param="tokens")
-        text = await asyncio.to_thread(model.detokenize, body.tokens)
+    async with unqueued(request, body.model) as session:
+        session.check_tokens(body.tokens, "tokens")
+        text = await asyncio.to_thread(session.detokenize, body.tokens)
     return web.json_response({"content": text})

@@ -9,11 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from barrel.pipeline.request import Message
+
 
 @dataclass(frozen=True)
 class Stored:
     response: dict[str, Any]  # the response object, as it was sent
-    messages: list[dict[str, Any]]  # the conversation it ended, in the pipeline's shape
+    messages: tuple[Message, ...]  # the conversation it ended
     expires: float
 
 
@@ -26,7 +28,7 @@ class ResponseStore:
         self.clock = clock
         self._items: OrderedDict[str, Stored] = OrderedDict()
 
-    def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+    def put(self, response: dict[str, Any], messages: tuple[Message, ...]) -> None:
         if self.max_stored <= 0:
             return
         self._expire()

@@ -1,0 +1,216 @@
+"""The one handler body behind every chat-shaped endpoint, whatever its dialect.
+
+    req, extras = codec.decode(body)            # 400s, before anything else
+    return await serve(request, req, encoder, transport)
+
+`serve` checks the request, opens a model session (its encoder's progress frames go
+out while it waits in the queue or for the load), starts the pipeline's one generation
+path, feeds every event to the encoder and writes its frames; without streaming it
+answers the encoder's full response. A failure before the stream began is re-raised for
+the error middleware (a plain status in the dialect's envelope); after, it becomes the
+encoder's error frame and the stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any, Protocol, TypeVar
+
+from aiohttp import web
+
+from barrel.errors import BarrelError
+from barrel.http.codecs import STAMP, Begin, Comment, Data, Encoder, EndMarker, Frame, Stamp
+from barrel.http.keys import MODELS
+from barrel.http.sse import SseWriter
+from barrel.pipeline import generate
+from barrel.pipeline.request import GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+
+class Transport(Protocol):
+    @property
+    def started(self) -> bool: ...
+
+    async def write(self, frames: list[Frame]) -> None: ...
+
+    def soon(self, frames: list[Frame]) -> None:
+        """Write from a plain callback (queue positions, load progress)."""
+        ...
+
+    async def settle(self) -> None: ...
+
+    async def close(self) -> web.StreamResponse: ...
+
+
+class SseTransport:
+    def __init__(self, request: web.Request) -> None:
+        self.sse = SseWriter(request)
+
+    @property
+    def started(self) -> bool:
+        return self.sse.started
+
+    async def _emit(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            if isinstance(frame, Data):
+                await self.sse.send(frame.payload, frame.event)
+            elif isinstance(frame, Comment):
+                await self.sse.comment(frame.text)
+            elif isinstance(frame, EndMarker):
+                await self.sse.done()
+
+    async def write(self, frames: list[Frame]) -> None:
+        await self.sse.settle()  # progress frames first, in order
+        await self._emit(frames)
+
+    def soon(self, frames: list[Frame]) -> None:
+        if frames:
+            self.sse.soon(self._emit(frames))
+
+    async def settle(self) -> None:
+        await self.sse.settle()
+
+    async def close(self) -> web.StreamResponse:
+        return await self.sse.close()
+
+
+class NdjsonTransport:
+    """Ollama's streams: one JSON object a line; comments and end markers are not sent."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.resp: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.resp is not None
+
+    async def write(self, frames: list[Frame]) -> None:
+        lines = [_line(f.payload) for f in frames if isinstance(f, Data)]
+        if not lines:
+            return
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await self.resp.prepare(self.request)
+        await self.resp.write(b"".join(lines))
+
+    def soon(self, frames: list[Frame]) -> None:
+        pass  # Ollama sends nothing while it waits
+
+    async def settle(self) -> None:
+        pass
+
+    async def close(self) -> web.StreamResponse:
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await self.resp.prepare(self.request)
+        await self.resp.write_eof()
+        return self.resp
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+async def serve(
+    request: web.Request,
+    req: GenerateRequest,
+    encoder: Encoder,
+    transport: Transport | None,
+    *,
+    stamp: Stamp = STAMP,
+    finished: Callable[[], Awaitable[None] | None] | None = None,
+) -> web.StreamResponse:
+    """Run `req` and answer it through `encoder` (see the module's docstring).
+    `finished()` runs once the generation ended well, before the last frames go out."""
+    generate.check(req)
+    started = stamp.perf()
+
+    def queued(position: int) -> None:
+        if transport is not None:
+            transport.soon(encoder.waiting(position, None))
+
+    def loading(seconds: float) -> None:
+        if transport is not None:
+            transport.soon(encoder.waiting(None, seconds))
+
+    try:
+        async with request.app[MODELS].open(
+            req.model, keep_alive=req.keep_alive, on_queued=queued, on_loading=loading
+        ) as session:
+            load_s = stamp.perf() - started
+            gen = await generate.start(session, req)
+            begin = Begin(gen.prompt_tokens, started, load_s, tuple(gen.prep.prompt))
+            frames = encoder.begin(begin)
+            if transport is not None and frames:
+                await transport.write(frames)
+            async for index, event in merged(gen.runs):
+                frames = encoder.feed(index, event)
+                if transport is not None and frames:
+                    await transport.write(frames)
+            frames = encoder.end()
+            if finished is not None:
+                done = finished()
+                if done is not None:
+                    await done
+            if transport is None:
+                return web.json_response(encoder.full())
+            await transport.write(frames)
+    except ConnectionError:
+        raise  # the client went away: nobody to tell
+    except Exception as err:
+        if transport is not None:
+            await transport.settle()
+        if transport is None or not transport.started:
+            raise
+        if not isinstance(err, BarrelError):
+            logger.error("a stream failed", exc_info=err)
+            err = BarrelError("internal server error")
+        await transport.write(encoder.error(err))
+    assert transport is not None
+    return await transport.close()
+
+
+T = TypeVar("T")
+_END = object()
+
+
+async def merged(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several streams as they come, with the index of their stream. Leaving
+    early (a client went away) closes every stream, which cancels its engine sequence."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=64)
+
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async with aclosing(stream) as s:
+                async for item in s:
+                    await queue.put((index, item))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((index, exc))
+        await queue.put((index, _END))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            index, item = await queue.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,146 @@
+"""The neutral request every dialect's codec decodes into: frozen msgspec structs, with
+content parts as a tagged union (text today; images join as another tag), and no
+dialect-shaped dicts inside. `barrel.pipeline.generate` turns one into a generation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from barrel.pipeline.sampling import Dialect
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class TextPart(msgspec.Struct, frozen=True, tag="text"):
+    text: str
+
+
+class ImagePart(msgspec.Struct, frozen=True, tag="image"):
+    """An image: its bytes (data URLs, base64 blocks) or a URL to fetch. No model here
+    has a projector yet: the generation path refuses it with a 400."""
+
+    data: bytes = b""
+    url: str = ""
+    media_type: str = ""
+
+
+Part = TextPart | ImagePart
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    """A call the assistant made: `arguments` is the parsed JSON value (an object)."""
+
+    id: str
+    name: str
+    arguments: Any = msgspec.field(default_factory=dict)
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    role: Role
+    parts: tuple[Part, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""  # a tool result: the call it answers
+    name: str = ""  # a tool result: the tool's name, when the dialect gives it
+    reasoning: str = ""  # an assistant turn's thinking, passed back
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.parts if isinstance(p, TextPart))
+
+    @property
+    def images(self) -> tuple[ImagePart, ...]:
+        return tuple(p for p in self.parts if isinstance(p, ImagePart))
+
+
+def text(role: Role, content: str) -> Message:
+    return Message(role=role, parts=(TextPart(content),) if content else ())
+
+
+class Tool(msgspec.Struct, frozen=True):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=lambda: {"type": "object"})
+
+
+class ToolChoice(msgspec.Struct, frozen=True):
+    """auto | none | required | function (then `name`)."""
+
+    mode: Literal["auto", "none", "required", "function"] = "auto"
+    name: str = ""
+
+
+class Format(msgspec.Struct, frozen=True):
+    """The answer's shape: free text, any JSON object, or JSON matching `schema`."""
+
+    kind: Literal["text", "json_object", "json_schema"] = "text"
+    schema: dict[str, Any] | None = None
+
+
+class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The sampling fields a request set (None: not set; the model's and the dialect's
+    defaults fill them in). Names are llama.cpp's / Ollama's."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    dry_multiplier: float | None = None
+    num_predict: int | None = None
+    stop: tuple[str, ...] | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The fields the request set, by name."""
+        out = msgspec.structs.asdict(self)
+        return {k: (list(v) if k == "stop" else v) for k, v in out.items() if v is not None}
+
+
+class RawPrompt(msgspec.Struct, frozen=True, kw_only=True):
+    """Ollama's /api/generate beyond a chat turn: `raw` skips the template, `suffix`
+    asks for fill-in-the-middle, `context` continues an earlier answer's tokens."""
+
+    prompt: str = ""
+    raw: bool = False
+    suffix: str = ""
+    context: tuple[int, ...] = ()
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    dialect: Dialect
+    messages: tuple[Message, ...]
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice()
+    parallel_tool_calls: bool = True
+    format: Format = Format()
+    options: Options = Options()
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    logprobs: int | None = None  # None: off; N: the chosen token and the top N
+    max_tokens: int | None = None  # None: the model's num_predict, else no limit
+    stop: tuple[str, ...] = ()  # stop strings added to those of the options and the model
+    n: int = 1  # choices, each its own engine sequence
+    stream: bool = False
+    keep_alive: float | None = None  # seconds; None: the configured default
+    # thinking: None lets the template decide; `reasoning_effort` reaches the template
+    # and sets the budget (EFFORT_BUDGETS) unless `reasoning_budget` does
+    thinking: bool | None = None
+    reasoning_effort: str | None = None
+    reasoning_budget: int | None = None
+    template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    # the KV session: a conversation id (header, prompt_cache_key) and a user id
+    conversation: str | None = None
+    user: str | None = None
+    # pin the prompt up to the end of this many request messages (a cache breakpoint)
+    pin_messages: int = 0
+    raw: RawPrompt | None = None
