@@ -28,7 +28,7 @@ from typing import Any
 import pykka
 
 from barrel.actors.bridge import Answer, Call, call_sync
-from barrel.actors.child import Child, Link
+from barrel.actors.child import Child, Exit, Link
 from barrel.actors.engine_worker import EngineWorker
 from barrel.actors.keepalive import Forget, Keepalive, UnloadIdle
 from barrel.actors.registry import Registry
@@ -224,6 +224,18 @@ class Loader(Child):
             self.unload(message.model)
             return None
         return super().on_receive(message)
+
+    def terminate(self, reason: Exit) -> None:
+        # Whoever waits for a load or an unload hears now, not at its timeout.
+        gone = Unavailable(f"the loader stopped ({reason})", retry_after=1.0)
+        for loaded in self._models.values():
+            for waiter in loaded.waiting:
+                waiter.reject(gone)
+        for deferred in self._deferred:
+            deferred.answer.reject(gone)
+        for dones in self._unloading.values():
+            for done in dones:
+                done.reject(gone)
 
     # -- internals ------------------------------------------------------------------
 

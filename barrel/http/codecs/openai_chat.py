@@ -194,13 +194,15 @@ def to_tools(tools: list[dict[str, Any]]) -> tuple[Tool, ...]:
     return tuple(out)
 
 
-def tool_choice_of(choice: Any, tools: tuple[Tool, ...]) -> ToolChoice:
+def tool_choice_of(choice: Any, tools: tuple[Tool, ...], *, nested: bool = True) -> ToolChoice:
+    """auto, none, required or a function: `{"type": "function", "function": {"name"}}`
+    (chat completions), or with the name beside the type (`nested=False`, responses)."""
     if choice is None:
         return ToolChoice()
     if choice in ("auto", "none", "required"):
         return ToolChoice(choice)
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
+        name = (choice.get("function") or {}).get("name") if nested else choice.get("name")
         if name not in [t.name for t in tools]:
             raise InvalidRequest(
                 f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"

@@ -17,7 +17,13 @@ import msgspec
 
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp
-from barrel.http.codecs.openai_chat import EFFORTS, arguments_of, parts_of, text_of
+from barrel.http.codecs.openai_chat import (
+    EFFORTS,
+    arguments_of,
+    parts_of,
+    text_of,
+    tool_choice_of,
+)
 from barrel.http.codecs.openai_common import (
     Knobs,
     check_knobs,
@@ -34,7 +40,6 @@ from barrel.pipeline.request import (
     TextPart,
     Tool,
     ToolCall,
-    ToolChoice,
     text,
 )
 from barrel.pipeline.sampling import Dialect
@@ -129,23 +134,6 @@ def _tools(tools: list[dict[str, Any]]) -> tuple[Tool, ...]:
     return tuple(out)
 
 
-def _tool_choice(choice: Any, tools: tuple[Tool, ...]) -> ToolChoice:
-    if choice is None:
-        return ToolChoice()
-    if choice in ("auto", "none", "required"):
-        return ToolChoice(choice)
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = choice.get("name")
-        if name not in [t.name for t in tools]:
-            raise InvalidRequest(
-                f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
-            )
-        return ToolChoice("function", str(name))
-    raise InvalidRequest(
-        "tool_choice must be auto, none, required or a function", param="tool_choice"
-    )
-
-
 def _format(text_field: dict[str, Any] | None) -> Format:
     fmt = (text_field or {}).get("format")
     if fmt is None or fmt.get("type") == "text":
@@ -200,7 +188,7 @@ def decode(
         dialect=Dialect.OPENAI,
         messages=tuple(messages),
         tools=tools,
-        tool_choice=_tool_choice(body.tool_choice, tools),
+        tool_choice=tool_choice_of(body.tool_choice, tools, nested=False),
         parallel_tool_calls=body.parallel_tool_calls,
         format=_format(body.text),
         options=options_of(body),
