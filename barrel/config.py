@@ -114,6 +114,9 @@ class ModelsConfig(_Section, frozen=True):
     # Evictor: below this much available memory, unload idle models one per interval.
     memory_watermark_bytes: int = 0  # 0: off
     evictor_interval_s: float = 5.0
+    # New model files (created, pulled) must load and run in a child process first: an
+    # abort inside llama.cpp then fails the create or pull instead of the daemon.
+    trial_load: bool = True
     defaults: ModelDefaults = msgspec.field(default_factory=ModelDefaults)
     # Alias name -> model name.
     aliases: dict[str, str] = msgspec.field(

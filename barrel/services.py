@@ -51,7 +51,7 @@ def build_services(
 ) -> Services:
     """`tree` replaces the daemon's tree (tests); `local_models` add to the config's."""
     models = {**config.models.local, **(local_models or {})}
-    store = ModelStore(config.cache_root, config.import_dir)
+    store = ModelStore(config.cache_root, config.import_dir, trial_load=config.models.trial_load)
     timers = Timers()
     tracker = ResidencyTracker()
     metrics = Metrics()

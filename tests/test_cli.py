@@ -55,7 +55,8 @@ def daemon(
     d = serve_models(
         tmp_path_factory.mktemp("cli"),
         {"qwen": qwen_path, "tiny": tiny_path},
-        f'import_dir = "{imports}"\n[models.defaults]\nnum_seq_max = 1\n'
+        # the registry serves a small header-only GGUF: no trial load for it
+        f'import_dir = "{imports}"\ntrial_load = false\n[models.defaults]\nnum_seq_max = 1\n'
         f'[registry.hosts]\n"registry.ollama.ai" = "{registry.url}"\n',
     )
     yield d

@@ -48,6 +48,8 @@ class Env:
         extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in registry_opts.items())
         self.config.write_text(
             f'[models]\ncache_root = "{self.cache}"\nimport_dir = "{self.imports}"\n'
+            # the registry serves small header-only GGUFs: what is tested is the pull
+            "trial_load = false\n"
             f'[registry]\nhuggingface = "{registry.url}"\n{extra}'
             f'[registry.hosts]\n"registry.ollama.ai" = "{registry.url}"\n'
         )

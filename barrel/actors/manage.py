@@ -212,9 +212,10 @@ class ModelManager:
         return name, spec, files
 
     async def create(self, name: str, spec: mf.Modelfile, files: dict[str, str] | None) -> str:
-        """Imports are hashed into blobs in a worker thread; the store actor only reads
-        the header and commits the manifest. Returns the manifest digest."""
-        spec = await in_background(self._import_files, spec, name="barrel-import")
+        """Imports are hashed into blobs, and a new model file tried in a child process,
+        in a background thread; the store actor only reads the header and commits the
+        manifest. Returns the manifest digest."""
+        spec = await in_background(self._import_files, spec, files, name="barrel-import")
         return str(
             await bridge.call(
                 self._store_actor(), StoreActor.create, name, spec, files, timeout=CREATE_TIMEOUT

@@ -10,12 +10,19 @@ and refuses anything malformed with `InvalidGGUF` (400).
 from __future__ import annotations
 
 import io
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from gguf import GGUFValueType, LlamaFileType
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGMLQuantizationType,
+    GGUFValueType,
+    LlamaFileType,
+)
 
 from barrel.errors import InvalidRequest
 
@@ -61,6 +68,22 @@ ENCODER_ARCHS = {
 
 class InvalidGGUF(InvalidRequest):
     code = "invalid_gguf"
+
+
+# Keys llama.cpp and Barrel read as counts: integers in [0, 2^31), never strings, floats
+# or booleans ({arch} is the file's architecture).
+_COUNT_KEYS = (
+    "{arch}.context_length",
+    "{arch}.embedding_length",
+    "{arch}.block_count",
+    "{arch}.feed_forward_length",
+    "{arch}.attention.head_count",
+    "{arch}.attention.head_count_kv",
+    "{arch}.vocab_size",
+    "general.file_type",
+    "general.alignment",
+)
+MAX_COUNT_VALUE = (1 << 31) - 1
 
 
 @dataclass
@@ -200,11 +223,14 @@ class _Reader:
     def u64(self) -> int:
         return int(struct.unpack("<Q", self.read(8))[0])
 
-    def string(self, limit: int = MAX_STRING) -> str:
+    def raw_string(self, limit: int = MAX_STRING) -> bytes:
         n = self.u64()
         if n > limit or n > self.remaining():
             raise InvalidGGUF(f"a GGUF string claims {n} bytes")
-        return self.read(n).decode("utf-8", errors="replace")
+        return self.read(n)
+
+    def string(self, limit: int = MAX_STRING) -> str:
+        return self.raw_string(limit).decode("utf-8", errors="replace")
 
     def skip_string(self) -> None:
         n = self.u64()
@@ -251,6 +277,8 @@ def _parse(r: _Reader) -> GGUFInfo:
             info.metadata[key] = r.string()
         else:
             info.metadata[key] = r.scalar(vtype)
+    _check_types(info)
+    data_end = 0
     for _ in range(n_tensors):
         r.skip_string()  # name
         n_dims = r.u32()
@@ -259,9 +287,43 @@ def _parse(r: _Reader) -> GGUFInfo:
         count = 1
         for _ in range(n_dims):
             count *= r.u64()
-        r.read(4 + 8)  # type, offset
+        kind, offset = r.u32(), r.u64()
+        data_end = max(data_end, offset + _nbytes(kind, count))
         info.parameter_count += count
+    alignment = int(info.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise InvalidGGUF(f"general.alignment must be a power of two, not {alignment}")
+    data_start = -(-r.f.tell() // alignment) * alignment
+    if data_start + data_end > r.size:
+        missing = data_start + data_end - r.size
+        raise InvalidGGUF(f"the file is truncated: its tensors need {missing} more bytes")
     return info
+
+
+def _nbytes(kind: int, count: int) -> int:
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    except (ValueError, KeyError):
+        raise InvalidGGUF(f"a tensor has an unknown type {kind}") from None
+    return -(-count // block) * size
+
+
+def _check_types(info: GGUFInfo) -> None:
+    """Values llama.cpp would misread or choke on: counts that are not integers, and
+    floats that are not finite."""
+    arch = info.architecture
+    for template in _COUNT_KEYS:
+        key = template.format(arch=arch)
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidGGUF(f"{key} must be an integer, not {type(value).__name__}")
+        if not 0 <= value <= MAX_COUNT_VALUE:
+            raise InvalidGGUF(f"{key} is out of range: {value}")
+    for key, value in info.metadata.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidGGUF(f"{key} must be a finite number, not {value}")
 
 
 def _read_array(r: _Reader, key: str, info: GGUFInfo) -> None:
@@ -272,15 +334,20 @@ def _read_array(r: _Reader, key: str, info: GGUFInfo) -> None:
         raise InvalidGGUF(f"GGUF array {key!r} claims {count} elements")
     if etype == GGUFValueType.STRING:
         keep = key in _KEEP_ARRAYS
-        fim_scan = key == "tokenizer.ggml.tokens"
+        vocab = key == "tokenizer.ggml.tokens"
         values = []
-        for _ in range(count):
-            if keep or fim_scan:
-                s = r.string(1 << 16)
-                if keep:
-                    values.append(s)
-                elif s in _FIM_TOKENS:
+        seen: set[bytes] = set()
+        for i in range(count):
+            if vocab:
+                # llama.cpp asserts that every token text is unique: check it here.
+                raw = r.raw_string(1 << 16)
+                if raw in seen:
+                    raise InvalidGGUF(f"the vocabulary has a duplicate token (id {i})")
+                seen.add(raw)
+                if raw.decode("utf-8", errors="replace") in _FIM_TOKENS:
                     info.has_fim_tokens = True
+            elif keep:
+                values.append(r.string(1 << 16))
             else:
                 r.skip_string()
         if keep:

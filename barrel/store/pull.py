@@ -98,4 +98,5 @@ def _local_manifest(store: ModelStore, plan: PullPlan, layers: list[Layer]) -> M
     if model is None:
         raise ValueError(f"{plan.name}: the source has no model layer")
     _, config = store.model_layer(model.digest)
+    store.check_loadable(model.digest)
     return Manifest(config, [la for la in layers if la.mediaType != mt.CONFIG])

@@ -26,6 +26,7 @@ from barrel.store.modelfile import (
     normalize_parameters,
 )
 from barrel.store.names import ModelName, parse_digest
+from barrel.store.trial import trial_load
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,9 @@ def config_for(info: GGUFInfo, parent: str = "") -> dict[str, Any]:
 
 
 class ModelStore:
-    def __init__(self, root: Path, import_dir: Path | None = None) -> None:
+    def __init__(
+        self, root: Path, import_dir: Path | None = None, *, trial_load: bool = True
+    ) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobStore(root)
@@ -117,6 +120,9 @@ class ModelStore:
         # second download of the same blob waits for the first.
         self._downloads: dict[Path, threading.Lock] = {}
         self._downloads_lock = threading.Lock()
+        # Model blobs that a trial load in a child process accepted (barrel.store.trial).
+        self._loadable: set[str] = set()
+        self.trial_load = trial_load
 
     @contextlib.contextmanager
     def download_slot(self, key: str) -> Iterator[Path]:
@@ -198,6 +204,19 @@ class ModelStore:
         info = read_gguf(path)
         layer = Layer(mt.MODEL, digest, path.stat().st_size)
         return layer, self._json_layer(mt.CONFIG, config_for(info))
+
+    def check_loadable(self, digest: str) -> None:
+        """A model blob must load and run in a child process before a manifest names it
+        (slow: call from a worker thread, never from the store actor)."""
+        parse_digest(digest)
+        if digest in self._loadable or not self.trial_load:
+            return
+        path = self.blobs.path(digest)
+        if not path.is_file():
+            raise NotFound(f"blob {digest} not found; upload it first")
+        info = read_gguf(path)
+        trial_load(path, embedding=info.is_embedding_model)
+        self._loadable.add(digest)
 
     def import_path(self, text: str) -> Path:
         """A FROM path, which must stay inside the import directory."""
