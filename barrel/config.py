@@ -36,10 +36,21 @@ class ServerConfig(_Section, frozen=True):
 
 
 class LimitsConfig(_Section, frozen=True):
+    """What one request may ask for: every size a client chooses is bounded here."""
+
     max_request_body_bytes: int = 1024 * 1024
     max_messages: int = 1024
     max_tools: int = 128
     max_embedding_inputs: int = 256
+    max_json_depth: int = 64  # nesting of a JSON body
+    max_stop: int = 16  # stop strings per request
+    max_stop_length: int = 256  # characters in one stop string
+    max_sequences: int = 16  # engine sequences one request runs (prompts x n)
+    max_schema_bytes: int = 64 * 1024  # a response format's or a tool's JSON schema
+    max_grammar_bytes: int = 256 * 1024  # the grammar a schema becomes
+    max_schema_repeat: int = 256  # {m,n} bounds and min/max lengths and items in a schema
+    template_render_s: float = 5.0  # time to render one chat template
+    grammar_sample_s: float = 2.0  # time to sample one token under a grammar
 
 
 class ResponsesConfig(_Section, frozen=True):
@@ -209,8 +220,9 @@ def validate(config: Config, source: str) -> None:
     errors: list[str] = []
     if not 0 <= config.server.port <= 65535:
         errors.append("server.port: must be between 0 and 65535")
-    if config.limits.max_request_body_bytes <= 0:
-        errors.append("limits.max_request_body_bytes: must be positive")
+    for key, value in msgspec.structs.asdict(config.limits).items():
+        if value <= 0:
+            errors.append(f"limits.{key}: must be positive")
     if config.responses.store_ttl_s <= 0 or config.responses.max_stored < 0:
         errors.append("responses: store_ttl_s > 0 and max_stored >= 0 required")
     if config.models.max_context_size < 64:

@@ -44,6 +44,11 @@ class NotFound(BarrelError):
     code = "not_found"
 
 
+class UnsupportedMediaType(BarrelError):
+    status = 415
+    code = "unsupported_media_type"
+
+
 class PayloadTooLarge(BarrelError):
     status = 413
     code = "request_too_large"

@@ -1,6 +1,8 @@
 """Per-model FIFO admission queues (one actor holds them all).
 
-Each model admits at most `concurrency` requests at once (its engine's sequence count);
+Each model admits requests while their engine sequences fit its `concurrency` (its
+engine's sequence count; a request weighs as many sequences as it runs, at most all of
+them, so one many-choice request cannot starve the queue);
 up to `depth` more wait in arrival order; beyond that a request is refused at once with
 503 and Retry-After. A waiting request learns its position as it changes and is told
 when it is admitted, through the thread-safe `notify` it brings (a `ToLoop.wrap`); one
@@ -35,13 +37,18 @@ class QueueLimits:
 class _Waiter:
     ticket: int
     notify: Notify
+    weight: int = 1
 
 
 @dataclass
 class _Queue:
     limits: QueueLimits
-    running: set[int] = field(default_factory=set)
+    running: dict[int, int] = field(default_factory=dict)  # ticket -> weight
     waiting: deque[_Waiter] = field(default_factory=deque)
+
+    def fits(self, weight: int) -> bool:
+        used = sum(self.running.values())
+        return not self.running or used + weight <= self.limits.concurrency
 
 
 class Admission(Child):
@@ -62,22 +69,25 @@ class Admission(Child):
         model: str,
         notify: Notify,
         limits: QueueLimits | None = None,
+        weight: int = 1,
     ) -> tuple[int, int]:
         """Returns (ticket, position): position 0 means admitted now. `limits` (the
-        model's, as `configure` sets them) come with the request: one message, not two."""
+        model's, as `configure` sets them) come with the request: one message, not two.
+        `weight`: the sequences the request runs."""
         if limits is not None:
             self.configure(model, limits)
         q = self._queues.setdefault(model, _Queue(self.default))
         ticket = next(self._tickets)
-        if len(q.running) < q.limits.concurrency and not q.waiting:
-            q.running.add(ticket)
+        weight = max(1, min(weight, q.limits.concurrency))
+        if not q.waiting and q.fits(weight):
+            q.running[ticket] = weight
             return ticket, 0
         if len(q.waiting) >= q.limits.depth:
             raise QueueFull(
                 f"model {model} is busy: {len(q.running)} running, {len(q.waiting)} waiting",
                 retry_after=2.0,
             )
-        q.waiting.append(_Waiter(ticket, notify))
+        q.waiting.append(_Waiter(ticket, notify, weight))
         return ticket, len(q.waiting)
 
     def release(self, model: str, ticket: int) -> None:
@@ -86,7 +96,7 @@ class Admission(Child):
         if q is None:
             return
         if ticket in q.running:
-            q.running.discard(ticket)
+            del q.running[ticket]
         else:
             before = len(q.waiting)
             q.waiting = deque(w for w in q.waiting if w.ticket != ticket)
@@ -100,9 +110,9 @@ class Admission(Child):
         return (len(q.running), len(q.waiting)) if q else (0, 0)
 
     def _grant(self, q: _Queue) -> None:
-        while q.waiting and len(q.running) < q.limits.concurrency:
+        while q.waiting and q.fits(q.waiting[0].weight):
             w = q.waiting.popleft()
-            q.running.add(w.ticket)
+            q.running[w.ticket] = w.weight
             w.notify(0)
         for i, w in enumerate(q.waiting, start=1):
             w.notify(i)

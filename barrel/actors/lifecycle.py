@@ -175,6 +175,7 @@ class Lifecycle:
             threads=int(params.get("num_thread", d.num_thread)),
             kv_type=KVType(kv_type),
             flash_attn=d.flash_attn if flash is None else ("on" if flash else "off"),
+            grammar_sample_s=self.config.limits.grammar_sample_s,
         )
         margin = self.config.models.model_load_memory_margin_b
         return ModelSpec(
@@ -201,12 +202,14 @@ class Lifecycle:
         keep_alive: float | None = None,
         on_queued: Callable[[int], None] | None = None,
         on_loading: Callable[[float], None] | None = None,
+        weight: int = 1,
     ) -> Lease:
         """Queue for the model, count as active, wait for the load. `on_queued(position)`
         hears each new queue position; `on_loading(seconds)` every `LOAD_PROGRESS_S`
-        while the model loads (for SSE comments and pings)."""
+        while the model loads (for SSE comments and pings). `weight`: the engine
+        sequences the request runs (a many-choice request takes that many places)."""
         spec = await self.spec(model)
-        return await self._acquire_spec(spec, keep_alive, on_queued, on_loading)
+        return await self._acquire_spec(spec, keep_alive, on_queued, on_loading, weight)
 
     async def _acquire_spec(
         self,
@@ -214,6 +217,7 @@ class Lifecycle:
         keep_alive: float | None,
         on_queued: Callable[[int], None] | None,
         on_loading: Callable[[float], None] | None,
+        weight: int = 1,
     ) -> Lease:
         name = spec.name
         admission = self.registry.get(ADMISSION)
@@ -230,7 +234,7 @@ class Lifecycle:
         # The queue place and the activity, asked together: one round trip of latency.
         # Counting as active while queued keeps the model loaded for the queue too.
         enqueued, activated = await asyncio.gather(
-            bridge.call(admission, Admission.enqueue, name, ToLoop().wrap(notify), limits),
+            bridge.call(admission, Admission.enqueue, name, ToLoop().wrap(notify), limits, weight),
             bridge.call(keepalive, Keepalive.acquire, name),
             return_exceptions=True,
         )

@@ -222,13 +222,20 @@ class ModelManager:
             )
         )
 
-    def _import_files(self, spec: mf.Modelfile) -> mf.Modelfile:
+    def _import_files(self, spec: mf.Modelfile, files: dict[str, str] | None) -> mf.Modelfile:
         """A background thread: FROM and ADAPTER paths become blob digests (the copy and
-        its hash happen here, atomically, before any manifest is touched)."""
+        its hash happen here, atomically, before any manifest is touched), and the model
+        blob must load in a child process (barrel.store.trial)."""
         spec = dataclasses.replace(spec, adapters=list(spec.adapters))
         if spec.from_ and mf.looks_like_path(spec.from_):
             spec.from_ = self._import(spec.from_)
         spec.adapters = [a if a.startswith("sha256") else self._import(a) for a in spec.adapters]
+        if files:
+            ggufs = [d for f, d in files.items() if f.endswith(".gguf")] or list(files.values())
+            if len(ggufs) == 1:
+                self.store.check_loadable(ggufs[0])
+        elif spec.from_.startswith("sha256"):
+            self.store.check_loadable(spec.from_)
         return spec
 
     def _import(self, text: str) -> str:

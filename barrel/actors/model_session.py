@@ -18,6 +18,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from barrel.actors.loader import ModelSpec
 from barrel.engine.engine import Engine
 from barrel.engine.stream import Stream
@@ -42,10 +44,6 @@ class SessionClosed(BarrelError):
     code = "session_closed"
 
 
-# Below this much message text, without tools or a schema, rendering and tokenizing
-# take well under a millisecond (0.2 ms for a one-line question on Qwen): less than the
-# hop to a worker thread, which sits on the way to the first token.
-INLINE_CHARS = 4000
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
@@ -56,6 +54,7 @@ class ModelCaches:
 
     templates: dict[tuple[str, str], ChatTemplate] = field(default_factory=dict)
     sampling: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    render_budget_s: float | None = None  # each render of a chat template
 
 
 class ModelSession:
@@ -144,7 +143,17 @@ class ModelSession:
         recommends (not for Ollama) over the dialect's defaults (barrel.pipeline.sampling)."""
         self._live()
         merged = effective(dialect, options, self.spec.parameters, self.recommended_sampling())
-        return sampling_params(merged)
+        sampling, limit, stop = sampling_params(merged)
+        # A penalty window spans at most the context (llama.cpp allocates it whole).
+        n_ctx = self.n_ctx
+        windows = {}
+        for name in ("penalty_last_n", "dry_penalty_last_n"):
+            value = getattr(sampling, name)
+            if value < -1 or value > n_ctx:
+                windows[name] = n_ctx
+        if windows:
+            sampling = msgspec.structs.replace(sampling, **windows)
+        return sampling, limit, stop
 
     def recommended_sampling(self) -> dict[str, Any]:
         self._live()
@@ -179,7 +188,8 @@ class ModelSession:
             source = self.spec.template or model.meta("tokenizer.chat_template") or ""
             bos = self._special(model.bos)
             eos = self._special(model.eos)
-            cached = await asyncio.to_thread(make_template, source, bos, eos)
+            budget = self._caches.render_budget_s
+            cached = await asyncio.to_thread(make_template, source, bos, eos, budget)
             self._caches.templates[key] = cached
         return cached
 
@@ -189,13 +199,12 @@ class ModelSession:
         return self._model.piece(token, special=True).decode(errors="replace")
 
     async def prepare(self, req: ChatRequest, template: ChatTemplate) -> Prepared:
-        """Render and tokenize (in a worker thread unless the request is small): bad input
-        fails here, before the engine sees it."""
+        """Render and tokenize, in a worker thread (a template is client input: its
+        render time is bounded, and never spent on the event loop); bad input fails here,
+        before the engine sees it."""
         self._live()
         model = self._model
         args = (req, template, model.tokenize, detect_family(template.source), model.control_tokens)
-        if _small(req):
-            return prepare(*args)
         return await asyncio.to_thread(prepare, *args)
 
     def run(self, req: ChatRequest, prep: Prepared) -> AsyncGenerator[ChatEvent, None]:
@@ -214,9 +223,3 @@ class ModelSession:
         self, inputs: list[list[int]], *, normalize: bool = True, truncate: bool = False
     ) -> list[list[float]]:
         return await self._live().embed(inputs, normalize=normalize, truncate=truncate)
-
-
-def _small(req: ChatRequest) -> bool:
-    if req.tools or req.response_format:
-        return False
-    return sum(len(str(m.get("content") or "")) for m in req.messages) < INLINE_CHARS

@@ -62,7 +62,7 @@ class Models:
         self.manage = ModelManager(config, runtime.registry, store)
         self.metrics = metrics
         self.residency = residency
-        self._caches = ModelCaches()
+        self._caches = ModelCaches(render_budget_s=config.limits.template_render_s)
 
     # -- sessions -----------------------------------------------------------------------
 
@@ -76,16 +76,20 @@ class Models:
         on_loading: Callable[[float], None] | None = None,
         queued: bool = True,
         embedding: bool = False,
+        sequences: int = 1,
     ) -> AsyncIterator[ModelSession]:
         """A session on `model` for the block's duration. `queued=False` takes no place in
         the queue (tokenizing, counting: they must not wait behind generation);
-        `embedding` opens the model's embedding context. `on_queued(position)` and
+        `embedding` opens the model's embedding context; `sequences` is how many engine
+        sequences the request will run (its weight in the queue). `on_queued(position)` and
         `on_loading(seconds)` hear the wait (for SSE comments and pings)."""
         lc = self.lifecycle
         if embedding:
             lease = await lc.embedder(model, keep_alive)
         elif queued:
-            lease = await lc.acquire(model, keep_alive, on_queued=on_queued, on_loading=on_loading)
+            lease = await lc.acquire(
+                model, keep_alive, on_queued=on_queued, on_loading=on_loading, weight=sequences
+            )
         else:
             lease = await lc.unqueued(model)
         try:

@@ -70,6 +70,9 @@ class EngineOptions:
     state_cache_dir: Path | None = None
     state_cache_disk_bytes: int = 1024 * 1024 * 1024
     loras: tuple[LoraAdapter, ...] = ()
+    # A sequence whose grammar takes longer than this to sample one token ends with an
+    # error (it would stall the whole batch); 0: no limit.
+    grammar_sample_s: float = 0.0
     # Embedding mode: the context outputs pooled embeddings instead of logits.
     embedding: bool = False
     pooling: str = "model"  # model (from the GGUF, mean if it has none) | mean | cls | last

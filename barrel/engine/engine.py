@@ -34,7 +34,13 @@ from barrel.engine.context import (
     new_context,
 )
 from barrel.engine.embed import compute_embeddings
-from barrel.engine.errors import EngineCrashed, EngineStopped, KVCacheFull, PromptTooLong
+from barrel.engine.errors import (
+    EngineCrashed,
+    EngineStopped,
+    InvalidGrammar,
+    KVCacheFull,
+    PromptTooLong,
+)
 from barrel.engine.kvcache import Slot, StateCache
 from barrel.engine.model import LlamaModel
 from barrel.engine.run import Run
@@ -555,8 +561,21 @@ class Engine:
         run.logit_rows.clear()
 
     def _sample(self, run: Run, index: int) -> None:
+        started = time.monotonic()
         token = run.sampler.sample(self.ctx, index)
         now = time.monotonic()
+        budget = self.options.grammar_sample_s
+        if run.req.sampling.grammar and budget and now - started > budget:
+            # A grammar this slow would stall every other sequence of the batch: end it.
+            self._out(
+                run,
+                InvalidGrammar(
+                    f"sampling under this grammar took {now - started:.1f}s a token; "
+                    f"at most {budget:g}s"
+                ),
+            )
+            self._release(run)
+            return
         if run.generated:
             self.observer.inter_token(now - run.last_token_at)
         else:

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from barrel.http.codecs import anthropic as codec
 from barrel.http.generate import SseTransport, serve
-from barrel.http.keys import MODELS
+from barrel.http.keys import CONFIG, MODELS
 from barrel.http.limits import check_limits
 from barrel.pipeline import generate
 
@@ -32,8 +32,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     conversation = request.headers.get("x-conversation-id")
     req, body = codec.decode(await request.read(), counting=True, conversation=conversation)
     check_limits(request, body.messages, body.tools)
-    generate.check(req)
+    limits = request.app[CONFIG].limits
+    generate.check(req, limits)
     # counting does not wait behind generation
     async with request.app[MODELS].open(req.model, queued=False) as session:
-        prepared = await generate.prepare(session, req)
+        prepared = await generate.prepare(session, req, limits)
     return web.json_response({"input_tokens": len(prepared.prompt)})

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from barrel.errors import BarrelError
 from barrel.http.codecs import STAMP, Begin, Comment, Data, Encoder, EndMarker, Frame, Stamp
-from barrel.http.keys import MODELS
+from barrel.http.keys import CONFIG, MODELS
 from barrel.http.sse import SseWriter
 from barrel.pipeline import generate
 from barrel.pipeline.request import GenerateRequest
@@ -128,7 +128,8 @@ async def serve(
 ) -> web.StreamResponse:
     """Run `req` and answer it through `encoder` (see the module's docstring).
     `finished()` runs once the generation ended well, before the last frames go out."""
-    generate.check(req)
+    limits = request.app[CONFIG].limits
+    generate.check(req, limits)
     started = stamp.perf()
 
     def queued(position: int) -> None:
@@ -141,10 +142,14 @@ async def serve(
 
     try:
         async with request.app[MODELS].open(
-            req.model, keep_alive=req.keep_alive, on_queued=queued, on_loading=loading
+            req.model,
+            keep_alive=req.keep_alive,
+            on_queued=queued,
+            on_loading=loading,
+            sequences=req.n,
         ) as session:
             load_s = stamp.perf() - started
-            gen = await generate.start(session, req)
+            gen = await generate.start(session, req, limits)
             begin = Begin(gen.prompt_tokens, started, load_s, tuple(gen.prep.prompt))
             frames = encoder.begin(begin)
             if transport is not None and frames:

@@ -14,3 +14,5 @@ METRICS = web.AppKey("metrics", Metrics)
 MODELS = web.AppKey("models", Models)
 
 REQUEST_ID = web.RequestKey("request_id", str)
+# The API key the request authenticated with (auth on): scopes its KV cache reuse.
+API_KEY = web.RequestKey("api_key", bytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aiohttp import web
@@ -16,3 +17,21 @@ def check_limits(request: web.Request, messages: list[Any], tools: list[Any]) ->
         raise InvalidRequest(f"at most {limits.max_messages} messages are allowed")
     if len(tools) > limits.max_tools:
         raise InvalidRequest(f"at most {limits.max_tools} tools are allowed")
+
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"{}[]")
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep `raw` nests objects and arrays (strings left out), without parsing it:
+    a deep body would exhaust a parser's recursion."""
+    brackets = _STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    depth = deepest = 0
+    for b in brackets:
+        if b in b"{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest

@@ -15,9 +15,17 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from barrel.config import Config
-from barrel.errors import BarrelError, Forbidden, PayloadTooLarge, Unauthorized
+from barrel.errors import (
+    BarrelError,
+    Forbidden,
+    InvalidRequest,
+    PayloadTooLarge,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 from barrel.http import errors
-from barrel.http.keys import CONFIG, METRICS, REQUEST_ID
+from barrel.http.keys import API_KEY, CONFIG, METRICS, REQUEST_ID
+from barrel.http.limits import json_depth
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("barrel.access")
@@ -163,6 +171,38 @@ async def cors_preflight(request: web.Request, handler: Handler) -> web.StreamRe
     return web.Response(status=204, headers=headers)
 
 
+UNSAFE_METHODS = frozenset(("POST", "PUT", "PATCH", "DELETE"))
+# Origins a local tool's page may have, allowed as Ollama allows them by default.
+_LOCAL_ORIGIN = re.compile(
+    r"^(https?://(localhost|127\.0\.0\.1|\[::1\]|0\.0\.0\.0)(:\d+)?"
+    r"|(app|file|tauri|vscode-webview|vscode-file)://.*)$"
+)
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or content_type.endswith("+json")
+
+
+@web.middleware
+async def origin_check(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A web page in the user's browser may not change anything: a request that carries
+    an Origin (browsers always send it on cross-origin requests) must come from an
+    allowed origin (`cors.allow_origins`, or a local tool's page), and send JSON as JSON,
+    which a page cannot do without a CORS preflight. Clients without an Origin (SDKs,
+    curl, whose -d sends a form content type) are not concerned."""
+    origin = request.headers.get("Origin")
+    if origin is None or request.method not in UNSAFE_METHODS:
+        return await handler(request)
+    config = request.app[CONFIG]
+    if not (_origin_allowed(config, origin) or _LOCAL_ORIGIN.match(origin)):
+        raise Forbidden(f"requests from a page at {origin!r} are not allowed (cors.allow_origins)")
+    if not request.path.startswith("/api/blobs/") and not _is_json(request.content_type):
+        raise UnsupportedMediaType(
+            f"a browser request must send JSON as application/json, not {request.content_type}"
+        )
+    return await handler(request)
+
+
 @web.middleware
 async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     keys = request.app[CONFIG].auth.api_keys
@@ -174,8 +214,11 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         presented = authorization[7:].strip()
     if not presented:
         raise Unauthorized("missing API key (Authorization: Bearer <key>)")
-    if not any(hmac.compare_digest(presented.encode(), k.encode()) for k in keys):
+    # Headers arrive as latin-1 text: compare the bytes that were sent, whatever they are.
+    sent = presented.encode("latin-1", errors="replace")
+    if not any(hmac.compare_digest(sent, k.encode()) for k in keys):
         raise Unauthorized("invalid API key")
+    request[API_KEY] = sent
     return await handler(request)
 
 
@@ -185,11 +228,20 @@ async def body_cap(request: web.Request, handler: Handler) -> web.StreamResponse
     Content-Length hits the same cap (`client_max_size`) when the handler reads it."""
     if request.path.startswith("/api/blobs/"):
         return await handler(request)  # model uploads are streamed to disk, not read whole
-    cap = request.app[CONFIG].limits.max_request_body_bytes
+    limits = request.app[CONFIG].limits
+    cap = limits.max_request_body_bytes
     if request.content_length is not None and request.content_length > cap:
         raise PayloadTooLarge(
             f"request body of {request.content_length} bytes exceeds the limit of {cap} bytes"
         )
+    # Read once here (aiohttp keeps it for the handler): a body nested deeper than any
+    # request needs is a 400 before a parser recurses into it.
+    if (
+        request.method in UNSAFE_METHODS
+        and request.can_read_body
+        and json_depth(await request.read()) > limits.max_json_depth
+    ):
+        raise InvalidRequest(f"the JSON body nests deeper than {limits.max_json_depth} levels")
     return await handler(request)
 
 
@@ -208,4 +260,12 @@ async def decorate_response(request: web.Request, response: web.StreamResponse) 
         response.headers.add("Vary", "Origin")
 
 
-MIDDLEWARES = [access_log, error_envelope, host_check, cors_preflight, auth, body_cap]
+MIDDLEWARES = [
+    access_log,
+    error_envelope,
+    host_check,
+    cors_preflight,
+    origin_check,
+    auth,
+    body_cap,
+]

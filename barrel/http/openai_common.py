@@ -61,13 +61,13 @@ def _progress(sse: SseWriter | None) -> tuple[Callable[[int], None], Callable[[f
 
 @asynccontextmanager
 async def leased(
-    request: web.Request, model: str, sse: SseWriter | None
+    request: web.Request, model: str, sse: SseWriter | None, sequences: int = 1
 ) -> AsyncIterator[ModelSession]:
-    """A session on `model`; a stream hears SSE comments while it waits in the queue or
-    for the load."""
+    """A session on `model` for `sequences` engine sequences; a stream hears SSE comments
+    while it waits in the queue or for the load."""
     on_queued, on_loading = _progress(sse)
     async with request.app[MODELS].open(
-        model, on_queued=on_queued, on_loading=on_loading
+        model, on_queued=on_queued, on_loading=on_loading, sequences=sequences
     ) as session:
         yield session
 

@@ -19,10 +19,12 @@ import msgspec
 from aiohttp import web
 
 from barrel.actors.model_session import ModelSession
+from barrel.config import LimitsConfig
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import new_id
 from barrel.http.codecs.openai_common import Knobs, check_knobs, include_usage
 from barrel.http.generate import merged
+from barrel.http.keys import CONFIG
 from barrel.http.openai_common import decode, leased, sampling_for, stream_failed, unqueued
 from barrel.http.sse import SseWriter
 from barrel.pipeline.types import Delta, Done, GenerationRequest, TokenLogprob, Usage
@@ -57,9 +59,20 @@ def _prompts(raw: Any) -> list[str | list[int]]:
     raise InvalidRequest("prompt must be a string, strings or token ids", param="prompt")
 
 
-def _check(body: CompletionBody) -> list[str | list[int]]:
+def _check(body: CompletionBody, limits: LimitsConfig) -> list[str | list[int]]:
     check_knobs(body)
     prompts = _prompts(body.prompt)
+    if len(prompts) * body.n > limits.max_sequences:
+        raise InvalidRequest(
+            f"{len(prompts)} prompts x n={body.n} is more than the {limits.max_sequences} "
+            "sequences one request may run",
+            param="prompt",
+        )
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if any(len(s) > limits.max_stop_length for s in stops):
+        raise InvalidRequest(
+            f"a stop string may have at most {limits.max_stop_length} characters", param="stop"
+        )
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
     if body.echo and body.logprobs is not None and body.stream:
@@ -157,10 +170,10 @@ def _usage(prompts: list[list[int]], usages: dict[int, Usage], n: int) -> dict[s
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await decode(request, CompletionBody)
-    texts = _check(body)
+    texts = _check(body, request.app[CONFIG].limits)
     sse = SseWriter(request) if body.stream else None
     try:
-        async with leased(request, body.model, sse) as session:
+        async with leased(request, body.model, sse, sequences=len(texts) * body.n) as session:
             prompts = await asyncio.to_thread(_tokens, session, texts, body.suffix)
             sampling, max_tokens, stop = sampling_for(body, session, body.logprobs)
             if body.max_tokens is None and session.spec.parameters.get("num_predict") is None:

@@ -106,6 +106,7 @@ class Prepared:
     family: Family
     forced_call: bool  # the grammar writes one bare JSON call object
     schema: dict[str, Any] | None  # the answer's JSON schema (response_format)
+    grammar: str | None  # the schema's grammar (applied after thinking, when there is any)
     tool_names: tuple[str, ...]
     render_s: float
     # leading prompt tokens shared by every request with these tools
@@ -188,14 +189,17 @@ def prepare(
     render_s = time.perf_counter() - start
     sampling = req.sampling
     grammar_schema = forced if forced is not None else schema
-    if grammar_schema is not None and not req.thinking:
+    grammar: str | None = None
+    if grammar_schema is not None:
+        # Built now even when thinking comes first: a bad schema is a 400 before any work.
         try:
             grammar = json_schema_grammar(grammar_schema)
         except Exception as exc:  # noqa: BLE001 - the converter raises many kinds on bad schemas
             raise InvalidRequest(
                 f"the JSON schema cannot be turned into a grammar: {exc}"
             ) from None
-        sampling = msgspec.structs.replace(sampling, grammar=grammar)
+        if not req.thinking:
+            sampling = msgspec.structs.replace(sampling, grammar=grammar)
     prompt = tokenize(prompt_text)
     fam = template_family if tools else family("generic")
     preserve: set[int] = set()
@@ -219,6 +223,7 @@ def prepare(
         family=fam,
         forced_call=forced is not None,
         schema=grammar_schema,
+        grammar=grammar,
         tool_names=tuple(_tool_names(tools)),
         render_s=render_s,
     )
@@ -259,12 +264,14 @@ def _refuse_images(messages: list[dict[str, Any]]) -> None:
             raise InvalidRequest("this model reads text only; images are not supported")
 
 
-def make_template(source: str, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
+def make_template(
+    source: str, bos_token: str = "", eos_token: str = "", render_budget_s: float | None = None
+) -> ChatTemplate:
     """The model's chat template: a Modelfile TEMPLATE (Go, converted when simple) or the
-    GGUF's Jinja2 template."""
+    GGUF's Jinja2 template. Each render gets `render_budget_s` (a 400 beyond)."""
     if is_go_template(source):
         source = go_to_jinja(source)
-    return ChatTemplate(source, bos_token, eos_token)
+    return ChatTemplate(source, bos_token, eos_token, render_budget_s)
 
 
 MIN_PIN = 64  # a static prefix shorter than this is not worth a pinned sequence
@@ -338,8 +345,8 @@ async def run(
         prompt = [*prompt, *engine.tokenize(text + "</think>\n\n", add_special=False)]
         reasoning_done = True
         sampling = prep.sampling
-        if prep.schema is not None:
-            sampling = msgspec.structs.replace(sampling, grammar=json_schema_grammar(prep.schema))
+        if prep.grammar is not None:
+            sampling = msgspec.structs.replace(sampling, grammar=prep.grammar)
     else:
         sampling = prep.sampling
     parser = ToolCallParser(

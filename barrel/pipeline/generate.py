@@ -22,8 +22,10 @@ from typing import Any, Protocol
 
 import msgspec
 
+from barrel.config import LimitsConfig
 from barrel.errors import InvalidRequest
 from barrel.pipeline.chat import ChatEvent, ChatRequest, Prepared
+from barrel.pipeline.grammar import check_schema
 from barrel.pipeline.request import GenerateRequest, Message
 from barrel.pipeline.sampling import Dialect
 from barrel.pipeline.session import derive_session
@@ -75,11 +77,26 @@ class Generation:
         return len(self.prep.prompt)
 
 
-def check(req: GenerateRequest) -> None:
-    """What can be refused before any lease, whatever the dialect."""
+def check(req: GenerateRequest, limits: LimitsConfig) -> None:
+    """What can be refused before any lease, whatever the dialect: every size the client
+    chose is within `limits`."""
     for m in req.messages:
         if m.images:
             raise InvalidRequest(IMAGE_REFUSAL)
+    stops = [*(req.options.stop or ()), *req.stop]
+    if len(stops) > limits.max_stop:
+        raise InvalidRequest(f"at most {limits.max_stop} stop strings are allowed", param="stop")
+    if any(len(s) > limits.max_stop_length for s in stops):
+        raise InvalidRequest(
+            f"a stop string may have at most {limits.max_stop_length} characters", param="stop"
+        )
+    if req.n > limits.max_sequences:
+        raise InvalidRequest(f"n may be at most {limits.max_sequences}", param="n")
+    schema_limits = {"max_bytes": limits.max_schema_bytes, "max_repeat": limits.max_schema_repeat}
+    if req.format.schema is not None:
+        check_schema(req.format.schema, where="the response format", **schema_limits)
+    for tool in req.tools:
+        check_schema(tool.parameters, where=f"the tool {tool.name!r}", **schema_limits)
     if req.tool_choice.mode == "function" and req.tool_choice.name not in {
         t.name for t in req.tools
     }:
@@ -185,20 +202,26 @@ def _raw_prompt(session: ModelAccess, req: GenerateRequest) -> list[int] | None:
     return None
 
 
-async def start(session: ModelAccess, req: GenerateRequest) -> Generation:
+async def start(
+    session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None = None
+) -> Generation:
     """Everything between the lease and the first token (see the module's docstring)."""
-    chat, prep = await _prepared(session, req)
+    chat, prep = await _prepared(session, req, limits)
     runs = [session.run(chat, prep)]
     runs += [session.run(dataclasses.replace(chat, session=None), prep) for _ in range(req.n - 1)]
     return Generation(prep, runs)
 
 
-async def prepare(session: ModelAccess, req: GenerateRequest) -> Prepared:
+async def prepare(
+    session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None = None
+) -> Prepared:
     """The prompt `start` would run, without running it (counting tokens)."""
-    return (await _prepared(session, req))[1]
+    return (await _prepared(session, req, limits))[1]
 
 
-async def _prepared(session: ModelAccess, req: GenerateRequest) -> tuple[ChatRequest, Prepared]:
+async def _prepared(
+    session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None
+) -> tuple[ChatRequest, Prepared]:
     messages, before = session.with_model_messages(template_messages(req.messages))
     sampling, max_tokens, stop = _sampling(session, req)
     verbatim = _raw_prompt(session, req)
@@ -222,6 +245,11 @@ async def _prepared(session: ModelAccess, req: GenerateRequest) -> tuple[ChatReq
         pin_messages=before + req.pin_messages if req.pin_messages else 0,
     )
     prep = await session.prepare(chat, template)
+    grammar_bytes = len(prep.grammar or "")
+    if limits is not None and grammar_bytes > limits.max_grammar_bytes:
+        raise InvalidRequest(
+            f"the schema's grammar has {grammar_bytes} bytes; at most {limits.max_grammar_bytes}"
+        )
     if verbatim is not None:
         prep = dataclasses.replace(prep, prompt=verbatim, static_prefix=0)
     elif req.raw is not None and req.raw.context:

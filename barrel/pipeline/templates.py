@@ -23,6 +23,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import SandboxedEnvironment
 
 from barrel.errors import InvalidRequest
+from barrel.pipeline.deadline import Expired, budget
 
 
 class TemplateError(InvalidRequest):
@@ -116,13 +117,33 @@ class ChatTemplate:
     does): whether it accepts a system message, and whether tool-call arguments must be
     JSON strings rather than objects. `render` adapts the request to both."""
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(
+        self,
+        source: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        render_budget_s: float | None = None,
+    ) -> None:
         if not source.strip():
             raise TemplateError("the model has no chat template")
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # A TEMPLATE is client input: each render (and the probes together) gets this long.
+        self.render_budget_s = render_budget_s
         self._template = _compile(source)
+        try:
+            with budget(render_budget_s):
+                self._probe()
+        except Expired:
+            raise self._too_slow() from None
+
+    def _too_slow(self) -> TemplateError:
+        return TemplateError(
+            f"the chat template took longer than {self.render_budget_s:g}s to render"
+        )
+
+    def _probe(self) -> None:
         self.supports_system = self._renders([{"role": "system", "content": "s"}, _PROBE_USER])
         self.supports_tool_results = self._renders(
             [_PROBE_USER, _string_arguments(_PROBE_CALL), _PROBE_RESULT, _PROBE_USER], _PROBE_TOOLS
@@ -171,7 +192,10 @@ class ChatTemplate:
             msgs = [_string_arguments(m) for m in msgs]
         try:
             tool_list = [dict(t) for t in copy.deepcopy(list(tools))] if tools else None
-            return self._render(msgs, tool_list, add_generation_prompt, kwargs)
+            with budget(self.render_budget_s):
+                return self._render(msgs, tool_list, add_generation_prompt, kwargs)
+        except Expired:
+            raise self._too_slow() from None
         except TemplateError:
             raise
         except jinja2.exceptions.SecurityError as exc:
