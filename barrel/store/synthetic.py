@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,15 @@ def _tokenizer_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {k: reader.fields[k].contents() for k in wanted}
 
 
-def write_tiny_gguf(path: Path, source: Path, shape: TinyShape = TinyShape()) -> Path:
-    """Write the tiny model to `path` (atomically), taking the tokenizer from `source`."""
+Tweak = Callable[[gguf.GGUFWriter, list[str]], None]
+
+
+def write_tiny_gguf(
+    path: Path, source: Path, shape: TinyShape = TinyShape(), tweak: Tweak | None = None
+) -> Path:
+    """Write the tiny model to `path` (atomically), taking the tokenizer from `source`.
+    `tweak(writer, tokens)` may overwrite metadata before the file is written (hostile
+    files for the tests: a later `add_*` of a key replaces its value)."""
     tok = _tokenizer_fields(gguf.GGUFReader(source))
     tokens = tok["tokenizer.ggml.tokens"]
     assert isinstance(tokens, list)
@@ -117,6 +125,8 @@ def write_tiny_gguf(path: Path, source: Path, shape: TinyShape = TinyShape()) ->
         w.add_tensor(f"{p}.ffn_up.weight", weight(shape.n_ff, shape.n_embd))
         w.add_tensor(f"{p}.ffn_down.weight", weight(shape.n_embd, shape.n_ff))
     w.add_tensor("output_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
+    if tweak is not None:
+        tweak(w, list(tokens))
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
