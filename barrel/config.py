@@ -107,6 +107,9 @@ class RegistryConfig(_Section, frozen=True):
         default_factory=lambda: {"registry.ollama.ai": "https://registry.ollama.ai"}
     )
     huggingface: str = "https://huggingface.co"
+    # Pulls from sources not configured here may reach private, loopback and link-local
+    # addresses (off: a client cannot make the daemon fetch from its own network).
+    private_networks: bool = False
     # A non-streaming pull answers 504 after this long; the download goes on.
     pull_timeout_s: float = 600.0
 

@@ -108,7 +108,7 @@ class EngineWorker(Child):
             # A model that cannot load (bad file, no memory for the context) fails the
             # same way on every restart: report it and stay up, failed, for the loader
             # to unload. Anything else is a bug: crash.
-            logger.error("loading %s failed: %s", self.link.id, exc)
+            logger.error("loading %s from %s failed: %s", self.link.id, self.path, exc)
             self._loaded(None, exc)
             return
         except Exception as exc:

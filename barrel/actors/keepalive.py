@@ -82,6 +82,19 @@ class Keepalive(Child):
         self._arm(model, a)
         return False
 
+    def unload_when_idle(self, model: str) -> bool:
+        """keep_alive 0 without a request (Ollama's unload): True if the model is idle
+        now (the caller unloads it); otherwise its last request's release will say so."""
+        a = self._models.get(model)
+        if a is None:
+            return True
+        a.keep_alive = 0
+        if a.timer is not None:
+            a.timer.cancel()
+            a.timer = None
+        a.expires_at = None
+        return a.active == 0
+
     def loaded(self, model: str, keep_alive: float | None) -> None:
         """A model finished loading (possibly with no request: a preload)."""
         a = self._models.setdefault(model, Activity(keep_alive=self.default))

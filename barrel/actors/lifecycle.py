@@ -70,6 +70,9 @@ class Lifecycle:
         self._store_specs: dict[str, tuple[float, tuple[int, int], ModelSpec]] = {}
         # The engine each model's last request got (see `_engine`).
         self._engines: dict[str, Engine] = {}
+        # Unloads asked for while the model served others, by model: they hear when its
+        # last request ended and the model went (loop thread only).
+        self._idle_unloads: dict[str, list[asyncio.Future[bool]]] = {}
 
     # -- resolution -------------------------------------------------------------------
 
@@ -308,7 +311,10 @@ class Lifecycle:
         finally:
             await self._give_back(name, ticket)
         if unload_now:
-            await self.unload(name)
+            unloaded = await self.unload(name)
+            for waiter in self._idle_unloads.pop(name, []):
+                if not waiter.done():
+                    waiter.set_result(unloaded)
 
     async def _give_back(self, name: str, ticket: int) -> None:
         if ticket == NO_TICKET:
@@ -374,6 +380,22 @@ class Lifecycle:
             return bool(await done.wait(LOAD_ASK_TIMEOUT))
         except TimeoutError:
             raise CallTimeout(f"model {name} did not unload within {LOAD_ASK_TIMEOUT}s") from None
+
+    async def unload_when_idle(self, model: str) -> bool:
+        """Ollama's unload (keep_alive 0 without a prompt): at once when the model is idle,
+        else when its last request in flight ends; the answer comes then. Another client
+        streaming from the model is not cut off."""
+        name = self.config.resolve_alias(model)
+        idle = await bridge.call(self.registry.get(KEEPALIVE), Keepalive.unload_when_idle, name)
+        if idle:
+            return await self.unload(name)
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._idle_unloads.setdefault(name, []).append(waiter)
+        timeout = self.config.models.defaults.load_timeout_s
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            raise CallTimeout(f"model {name} was still busy after {timeout:.0f}s") from None
 
     async def ps(self) -> list[dict[str, Any]]:
         """Loaded models with size, context, expiry, active and queued requests."""

@@ -275,6 +275,10 @@ class ModelManager:
         into place if it matches `digest`. No size cap: models are large."""
         parse_digest(digest)
         upload = await asyncio.to_thread(BlobUpload, self.store.blobs)
+        with self.store.writing(upload.path):
+            await self._receive(upload, digest, chunks)
+
+    async def _receive(self, upload: BlobUpload, digest: str, chunks: AsyncIterator[bytes]) -> None:
         try:
             buffer = bytearray()
             async for chunk in chunks:
@@ -296,12 +300,15 @@ class ModelManager:
         return model
 
     @asynccontextmanager
-    async def pull(self, model: str) -> AsyncIterator[asyncio.Queue[dict[str, Any]]]:
-        """The events of `model`'s pull (joined if one runs, else started), as they come;
-        leaving unsubscribes (the pull goes on for its other subscribers)."""
+    async def pull(
+        self, model: str, insecure: bool = False
+    ) -> AsyncIterator[asyncio.Queue[dict[str, Any]]]:
+        """The events of `model`'s pull (joined if one runs, else started; `insecure`
+        allows plain http), as they come; leaving unsubscribes (the pull goes on for its
+        other subscribers)."""
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         sink = ToLoop().wrap(events.put_nowait)
-        ref, token = await self._join_or_start(model, sink)
+        ref, token = await self._join_or_start(model, sink, insecure)
         try:
             yield events
         finally:
@@ -311,7 +318,7 @@ class ModelManager:
                 except BarrelError:
                     pass
 
-    async def _join_or_start(self, model: str, sink: Any) -> tuple[Any, int]:
+    async def _join_or_start(self, model: str, sink: Any, insecure: bool) -> tuple[Any, int]:
         """Subscribe to the running pull of `model`, or start one subscribed from birth."""
         for _ in range(3):
             ref = self.registry.whereis(pull_name(model))
@@ -323,6 +330,7 @@ class ModelManager:
                         pull_name(model),
                         model,
                         sink,
+                        insecure,
                     )
                     return ref, 0
                 except InvalidRequest:

@@ -204,8 +204,13 @@ class ModelSession:
         before the engine sees it."""
         self._live()
         model = self._model
-        args = (req, template, model.tokenize, detect_family(template.source), model.control_tokens)
-        return await asyncio.to_thread(prepare, *args)
+        family = detect_family(template.source)
+        return await asyncio.to_thread(
+            prepare, req, template, model.tokenize, family, model.control_tokens, self._tokenize_as
+        )
+
+    def _tokenize_as(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self._model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def run(self, req: ChatRequest, prep: Prepared) -> AsyncGenerator[ChatEvent, None]:
         """Generate and parse: the pipeline's events (text, reasoning, tool calls, then

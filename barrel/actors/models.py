@@ -121,7 +121,8 @@ class Models:
         await self.lifecycle.preload(model, keep_alive)
 
     async def unload(self, model: str) -> bool:
-        return await self.lifecycle.unload(model)
+        """Unload `model` once no request uses it (at once when idle)."""
+        return await self.lifecycle.unload_when_idle(model)
 
     async def ps(self) -> list[dict[str, Any]]:
         return await self.lifecycle.ps()

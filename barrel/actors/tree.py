@@ -18,6 +18,7 @@ guides/supervision.md draws the tree.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -60,7 +61,11 @@ def _flags(strategy: Strategy, limits: SupervisorLimits) -> SupFlags:
 
 
 def registries(config: Config) -> Registries:
-    return Registries(dict(config.registry.hosts), config.registry.huggingface)
+    return Registries(
+        dict(config.registry.hosts),
+        config.registry.huggingface,
+        private_networks=config.registry.private_networks,
+    )
 
 
 def daemon_tree(
@@ -146,6 +151,15 @@ def daemon_tree(
 
 
 def _start_pull(
-    link: Link, model: str, first: Any = None, *, store: ModelStore, registries: Registries
+    link: Link,
+    model: str,
+    first: Any = None,
+    insecure: bool = False,
+    *,
+    store: ModelStore,
+    registries: Registries,
 ) -> pykka.ActorRef[Any]:
+    """A pull coordinator; `insecure` (the starting request's) allows plain http."""
+    if insecure:
+        registries = dataclasses.replace(registries, insecure=True)
     return PullCoordinator.start(link, store, model, registries, first)

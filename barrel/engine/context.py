@@ -114,14 +114,14 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
         params.pooling_type = _POOLING[opts.pooling]
     ctx = ll.llama_init_from_model(model.handle, params)
     if not ctx:
-        raise ModelLoadError(f"llama.cpp could not create a context for {model.path}")
+        raise ModelLoadError(f"llama.cpp could not create a context for {model.path.name}")
     if opts.embedding and ll.llama_pooling_type(ctx) == ll.LLAMA_POOLING_TYPE_NONE:
         # A generative model has no pooling of its own: mean-pool its hidden states.
         ll.llama_free(ctx)
         params.pooling_type = ll.LLAMA_POOLING_TYPE_MEAN
         ctx = ll.llama_init_from_model(model.handle, params)
         if not ctx:
-            raise ModelLoadError(f"llama.cpp could not create a context for {model.path}")
+            raise ModelLoadError(f"llama.cpp could not create a context for {model.path.name}")
     return ctx
 
 

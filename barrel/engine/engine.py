@@ -111,6 +111,7 @@ class _Embed:
 class _Pin:
     tokens: list[int]
     reply: Reply[int]
+    scope: str = ""
 
 
 @dataclass
@@ -280,17 +281,17 @@ class Engine:
             self._inbox.put(_Embed(inputs, normalize, reply))
         return reply.future
 
-    def pin(self, tokens: list[int]) -> asyncio.Future[int]:
+    def pin(self, tokens: list[int], scope: str = "") -> asyncio.Future[int]:
         """Keep `tokens` (a static system + tools prefix) prefilled in a pinned sequence;
-        requests starting with it share its KV cells instead of prefilling them. Resolves
-        to the number of tokens pinned (0 if no pin sequence is configured)."""
+        requests of `scope` starting with it share its KV cells instead of prefilling them.
+        Resolves to the number of tokens pinned (0 if no pin sequence is configured)."""
         if not tokens or len(tokens) >= self.n_ctx:
             raise PromptTooLong(f"a pinned prefix must have 1 to {self.n_ctx - 1} tokens")
         reply: Reply[int] = Reply()
         with self._gate:
             if not self.alive:
                 raise EngineStopped(f"engine {self.name} is not running", retry_after=1.0)
-            self._inbox.put(_Pin(list(tokens), reply))
+            self._inbox.put(_Pin(list(tokens), reply, scope))
         return reply.future
 
     def inject_fault(self, error: BaseException) -> None:
@@ -401,7 +402,7 @@ class Engine:
         elif isinstance(cmd, _Embed):
             self._embed(cmd)
         elif isinstance(cmd, _Pin):
-            slot = self.kv.pin_slot(cmd.tokens)
+            slot = self.kv.pin_slot(cmd.tokens, cmd.scope)
             if slot is None:
                 pinned = len(cmd.tokens) if self.kv.pins else 0
                 cmd.reply.resolve(pinned)
@@ -415,14 +416,19 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting:
             run = self._waiting[0]
-            choice = self.kv.choose(run.req.prompt, run.req.session)
+            choice = self.kv.choose(run.req.prompt, run.req.session, run.req.scope)
             if choice is None:
                 return
             self._waiting.popleft()
             slot, lcp = choice
             run.admitted = time.monotonic()
             run.n_past, run.reuse_note = self.kv.attach(
-                slot, run.req.prompt, lcp, run.req.session, reuse=not run.req.prompt_logprobs
+                slot,
+                run.req.prompt,
+                lcp,
+                run.req.session,
+                reuse=not run.req.prompt_logprobs,
+                scope=run.req.scope,
             )
             run.reused = run.n_past
             run.slot = slot

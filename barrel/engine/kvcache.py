@@ -33,6 +33,8 @@ class Slot:
     seq: int
     tokens: list[int] = field(default_factory=list)  # positions 0..len-1 are in the KV
     session: str | None = None
+    # whose tokens these are (an API key's hash; "" without keys): reuse stays within it
+    scope: str = ""
     last_used: float = 0.0
     busy: bool = False  # a request runs on it
     pinned: bool = False  # holds a pinned prefix: copied from, never run on
@@ -47,6 +49,7 @@ class SavedState:
     session: str | None
     data: bytes | None  # None: spilled to disk
     path: Path | None = None
+    scope: str = ""
 
     @property
     def size(self) -> int:
@@ -75,24 +78,28 @@ class StateCache:
     def __len__(self) -> int:
         return len(self._ram) + len(self._disk)
 
-    def put(self, tokens: list[int], session: str | None, data: bytes) -> None:
+    def put(self, tokens: list[int], session: str | None, data: bytes, scope: str = "") -> None:
         if not self.enabled or len(data) > self.ram_bytes:
             return
-        key = hashlib.sha1(repr(tokens).encode()).hexdigest()
+        key = hashlib.sha1(repr((scope, tokens)).encode()).hexdigest()
         self._drop(key)
-        self._ram[key] = SavedState(tuple(tokens), session, data)
+        self._ram[key] = SavedState(tuple(tokens), session, data, scope=scope)
         self._ram_used += len(data)
         while self._ram_used > self.ram_bytes:
             old_key, old = self._ram.popitem(last=False)
             self._ram_used -= old.size
             self._spill(old_key, old)
 
-    def best(self, prompt: list[int], min_len: int) -> tuple[str, SavedState, int] | None:
-        """The saved state sharing the longest prefix with `prompt`, if longer than
-        `min_len` tokens."""
+    def best(
+        self, prompt: list[int], min_len: int, scope: str = ""
+    ) -> tuple[str, SavedState, int] | None:
+        """The saved state of `scope` sharing the longest prefix with `prompt`, if longer
+        than `min_len` tokens."""
         found: tuple[str, SavedState, int] | None = None
         for store in (self._ram, self._disk):
             for key, st in store.items():
+                if st.scope != scope:
+                    continue
                 n = common_prefix(st.tokens, prompt)
                 if n > min_len and (found is None or n > found[2]):
                     found = (key, st, n)
@@ -130,7 +137,7 @@ class StateCache:
         except OSError as exc:
             logger.warning("cannot spill a sequence state to %s: %s", path, exc)
             return
-        self._disk[key] = SavedState(st.tokens, st.session, None, path)
+        self._disk[key] = SavedState(st.tokens, st.session, None, path, st.scope)
         self._disk_used += len(st.data)
         while self._disk_used > self.disk_bytes and self._disk:
             _, old = self._disk.popitem(last=False)

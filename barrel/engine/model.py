@@ -81,7 +81,7 @@ class LlamaModel:
         self.options = opts
         vocab = ll.llama_model_get_vocab(handle)
         if vocab is None:
-            raise ModelLoadError(f"{path}: model has no vocabulary")
+            raise ModelLoadError(f"{path.name}: model has no vocabulary")
         self.vocab = vocab
         self.n_vocab: int = ll.llama_vocab_n_tokens(vocab)
         self.n_ctx_train: int = ll.llama_model_n_ctx_train(handle)
@@ -105,7 +105,7 @@ class LlamaModel:
         opts = opts or ModelOptions()
         path = Path(path)
         if not path.is_file():
-            raise ModelLoadError(f"model file not found: {path}")
+            raise ModelLoadError(f"model file not found: {path.name}")
         _init_backend()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = opts.n_gpu_layers
@@ -114,7 +114,7 @@ class LlamaModel:
         params.vocab_only = opts.vocab_only
         handle = ll.llama_model_load_from_file(os.fsencode(path), params)
         if not handle:
-            raise ModelLoadError(f"llama.cpp could not load {path}")
+            raise ModelLoadError(f"llama.cpp could not load {path.name}")
         return cls(path, handle, opts)
 
     def retain(self) -> bool:

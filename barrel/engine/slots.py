@@ -1,7 +1,8 @@
 """Which llama.cpp sequence a request runs on, and what of its prompt is already there.
 
 A finished sequence stays parked with its tokens. A new request takes the free sequence
-with the longest common token prefix (its own session's first), drops the rest of that
+with the longest common token prefix (its own session's first, and only within its
+scope: with API keys, one key's tokens are never reused for another), drops the rest of that
 sequence's KV and prefills only the remainder. Parked sequences pushed out of the context
 go to the state cache and come back on a prefix match. Engine thread only.
 """
@@ -37,13 +38,13 @@ class SlotManager:
     def kv_cells(self) -> int:
         return sum(len(s.tokens) for s in self.slots + self.pins)
 
-    def pin_slot(self, tokens: list[int]) -> Slot | None:
+    def pin_slot(self, tokens: list[int], scope: str = "") -> Slot | None:
         """The pin sequence to (re)fill with `tokens`: None if one already holds them.
         The least recently used pin is replaced."""
         if not self.pins:
             return None
         for pin in self.pins:
-            if pin.tokens == tokens:
+            if pin.tokens == tokens and pin.scope == scope:
                 pin.touch()
                 return None
         victim = min(self.pins, key=lambda s: (s.busy, s.last_used))
@@ -51,30 +52,43 @@ class SlotManager:
             return None
         ll.llama_memory_seq_rm(self.mem, victim.seq, -1, -1)
         victim.tokens = []
+        victim.scope = scope
         victim.busy = True
         return victim
 
-    def choose(self, prompt: list[int], session: str | None) -> tuple[Slot, int] | None:
-        """The free slot to run `prompt` on and its common prefix, or None if all are busy."""
+    def choose(
+        self, prompt: list[int], session: str | None, scope: str = ""
+    ) -> tuple[Slot, int] | None:
+        """The free slot to run `prompt` on and its common prefix, or None if all are busy.
+        Another scope's tokens count as no prefix at all."""
         free = self.free_slots()
         if not free:
             return None
 
+        def lcp(s: Slot) -> int:
+            return common_prefix(s.tokens, prompt) if s.scope == scope else 0
+
         def score(s: Slot) -> tuple[int, int, float]:
             # longest common prefix, then empty over parked, then least recently used
-            return (common_prefix(s.tokens, prompt), 0 if s.tokens else 1, -s.last_used)
+            return (lcp(s), 0 if s.tokens else 1, -s.last_used)
 
         own = [s for s in free if session is not None and s.session == session]
         if own:
             best = max(own, key=score)
-            lcp = common_prefix(best.tokens, prompt)
-            if lcp > 0:
-                return best, lcp
+            if lcp(best) > 0:
+                return best, lcp(best)
         best = max(free, key=score)
-        return best, common_prefix(best.tokens, prompt)
+        return best, lcp(best)
 
     def attach(
-        self, slot: Slot, prompt: list[int], lcp: int, session: str | None, *, reuse: bool = True
+        self,
+        slot: Slot,
+        prompt: list[int],
+        lcp: int,
+        session: str | None,
+        *,
+        reuse: bool = True,
+        scope: str = "",
     ) -> tuple[int, str]:
         """Prepare `slot` for `prompt`: returns (tokens reused, a note if reuse fell short).
         Without `reuse` every prompt token is computed again (for its logits)."""
@@ -82,15 +96,16 @@ class SlotManager:
         keep = min(lcp, len(prompt) - 1) if reuse else 0
         if keep < len(slot.tokens) and slot.session is not None:
             self.save(slot)
-        restored = self._restore(slot, prompt, keep) if reuse else 0
+        restored = self._restore(slot, prompt, keep, scope) if reuse else 0
         if restored:
             keep = min(restored, len(prompt) - 1)
-        copied = self._copy_pin(slot, prompt, keep) if reuse else 0
+        copied = self._copy_pin(slot, prompt, keep, scope) if reuse else 0
         if copied:
             keep = min(copied, len(prompt) - 1)
         keep, note = self._trim(slot, keep)
         slot.busy = True
         slot.session = session
+        slot.scope = scope
         slot.touch()
         return keep, note
 
@@ -151,15 +166,15 @@ class SlotManager:
         buf = (ctypes.c_uint8 * size)()
         n = ll.llama_state_seq_get_data(self.ctx, buf, size, slot.seq)
         if n > 0:
-            self.cache.put(list(slot.tokens), slot.session, bytes(buf)[:n])
+            self.cache.put(list(slot.tokens), slot.session, bytes(buf)[:n], slot.scope)
 
-    def _copy_pin(self, slot: Slot, prompt: list[int], keep: int) -> int:
+    def _copy_pin(self, slot: Slot, prompt: list[int], keep: int, scope: str) -> int:
         """Share a pinned prefix's cells with `slot` if it covers more of `prompt`.
         With a unified KV cache, llama_memory_seq_cp tags the same cells with the
         slot's sequence: nothing is recomputed or copied."""
         best: tuple[int, Slot] | None = None
         for pin in self.pins:
-            if pin.busy or not pin.tokens:
+            if pin.busy or not pin.tokens or pin.scope != scope:
                 continue
             n = common_prefix(pin.tokens, prompt)
             if n > keep and (best is None or n > best[0]):
@@ -173,10 +188,10 @@ class SlotManager:
         pin.touch()
         return n
 
-    def _restore(self, slot: Slot, prompt: list[int], keep: int) -> int:
+    def _restore(self, slot: Slot, prompt: list[int], keep: int, scope: str) -> int:
         if not self.cache.enabled:
             return 0
-        found = self.cache.best(prompt, keep)
+        found = self.cache.best(prompt, keep, scope)
         if found is None:
             return 0
         key, saved, n = found

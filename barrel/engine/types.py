@@ -60,6 +60,9 @@ class GenerationRequest:
     max_tokens: int | None = None  # None: until EOG or the context is full
     stop: tuple[str, ...] = ()
     session: SessionId | None = None
+    # Whose request this is (an API key's hash; "" without keys): KV cells are reused
+    # only between requests of one scope, so no key can probe another's prompts.
+    scope: str = ""
     ignore_eos: bool = False
     # Control tokens rendered as text (tool-call and reasoning markers the parser needs);
     # every other control token is left out of the output.

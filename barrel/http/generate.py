@@ -14,17 +14,19 @@ encoder's error frame and the stream ends.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, Protocol, TypeVar
 
+import msgspec
 from aiohttp import web
 
 from barrel.errors import BarrelError
 from barrel.http.codecs import STAMP, Begin, Comment, Data, Encoder, EndMarker, Frame, Stamp
-from barrel.http.keys import CONFIG, MODELS
+from barrel.http.keys import API_KEY, CONFIG, MODELS
 from barrel.http.sse import SseWriter
 from barrel.pipeline import generate
 from barrel.pipeline.request import GenerateRequest
@@ -113,6 +115,13 @@ class NdjsonTransport:
         return self.resp
 
 
+def scope_of(request: web.Request) -> str:
+    """The request's KV scope: a hash of the API key it authenticated with ("" when the
+    daemon has no keys), so no key reuses, or learns about, another's cached prompts."""
+    key = request.get(API_KEY)
+    return hashlib.sha256(key).hexdigest()[:16] if key else ""
+
+
 def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
@@ -130,6 +139,7 @@ async def serve(
     `finished()` runs once the generation ended well, before the last frames go out."""
     limits = request.app[CONFIG].limits
     generate.check(req, limits)
+    req = msgspec.structs.replace(req, scope=scope_of(request))
     started = stamp.perf()
 
     def queued(position: int) -> None:

@@ -81,7 +81,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
     body: PullRequest = await _body(request, PullRequest)
     manage = request.app[MODELS].manage
     model = manage.check_pull(body.target())
-    async with manage.pull(model) as events:
+    async with manage.pull(model, body.insecure) as events:
         if body.stream:
             return await _stream_pull(request, events)
         return await _wait_pull(events, request.app[CONFIG].registry.pull_timeout_s)

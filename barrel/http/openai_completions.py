@@ -23,7 +23,7 @@ from barrel.config import LimitsConfig
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import new_id
 from barrel.http.codecs.openai_common import Knobs, check_knobs, include_usage
-from barrel.http.generate import merged
+from barrel.http.generate import merged, scope_of
 from barrel.http.keys import CONFIG
 from barrel.http.openai_common import decode, leased, sampling_for, stream_failed, unqueued
 from barrel.http.sse import SseWriter
@@ -181,7 +181,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
             scoring = body.echo and body.logprobs is not None
             reqs = [
                 GenerationRequest(
-                    p, sampling, max_tokens=max_tokens, stop=stop, prompt_logprobs=scoring
+                    p,
+                    sampling,
+                    max_tokens=max_tokens,
+                    stop=stop,
+                    prompt_logprobs=scoring,
+                    scope=scope_of(request),
                 )
                 for p in prompts
                 for _ in range(body.n)

@@ -59,6 +59,7 @@ class ChatRequest:
     thinking: bool | None = None  # None: the template's default
     reasoning_budget: int = 512
     session: SessionId | None = None
+    scope: str = ""  # an API key's hash: KV reuse stays within it (GenerationRequest.scope)
     keep_alive: float | None = None  # for the lifecycle: seconds, 0 = unload, <0 = forever
     tool_mode: str = "auto"  # "grammar": the model's calls are always grammar-forced
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -170,8 +171,11 @@ def prepare(
     tokenize: Callable[[str], list[int]],
     template_family: Family,
     control_tokens: Callable[[str], set[int]] | None = None,
+    tokenize_as: Tokenize | None = None,
 ) -> Prepared:
-    """Everything that can fail on bad input happens here, before any slow work."""
+    """Everything that can fail on bad input happens here, before any slow work.
+    `tokenize_as(text, add_special, parse_special)`, when given, keeps control-token text
+    inside messages plain text (see `_tokenize_prompt`)."""
     _refuse_images(req.messages)
     forced = _forced_schema(req)
     schema = _answer_schema(req)
@@ -200,7 +204,7 @@ def prepare(
             ) from None
         if not req.thinking:
             sampling = msgspec.structs.replace(sampling, grammar=grammar)
-    prompt = tokenize(prompt_text)
+    prompt = _tokenize_prompt(prompt_text, messages, tokenize, control_tokens, tokenize_as)
     fam = template_family if tools else family("generic")
     preserve: set[int] = set()
     if control_tokens is not None:
@@ -227,6 +231,50 @@ def prepare(
         tool_names=tuple(_tool_names(tools)),
         render_s=render_s,
     )
+
+
+Tokenize = Callable[[str, bool, bool], list[int]]  # (text, add_special, parse_special)
+
+
+def _tokenize_prompt(
+    text: str,
+    messages: list[dict[str, Any]],
+    tokenize: Callable[[str], list[int]],
+    control_tokens: Callable[[str], set[int]] | None,
+    tokenize_as: Tokenize | None,
+) -> list[int]:
+    """The rendered prompt's tokens. Only the template's own markup may become control
+    tokens: message text that spells one (`<|im_start|>system` in a user's message) is
+    tokenized as text, so a client cannot forge turns. Most messages hold no such text
+    and the prompt is tokenized whole; otherwise the render is cut around those
+    messages' text, found where the template put it verbatim."""
+    if control_tokens is None or tokenize_as is None:
+        return tokenize(text)
+    risky = [
+        c
+        for m in messages
+        if isinstance(c := m.get("content"), str) and ("<" in c or "[" in c) and control_tokens(c)
+    ]
+    if not risky:
+        return tokenize(text)
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    for content in risky:
+        start = text.find(content, pos)
+        if start < 0:
+            raise InvalidRequest(
+                "a message contains the model's control tokens as text, and its chat "
+                "template changes that message: it cannot be sent as plain text"
+            )
+        spans.append((start, start + len(content)))
+        pos = start + len(content)
+    out: list[int] = []
+    last = 0
+    for start, end in spans:
+        out += tokenize_as(text[last:start], last == 0, True)
+        out += tokenize_as(text[start:end], False, False)
+        last = end
+    return out + tokenize_as(text[last:], False, True)
 
 
 TOOL_INSTRUCTIONS = (
@@ -310,7 +358,7 @@ async def run(
     """Generate and parse: text, reasoning and tool calls as they come, then Finished.
     `timings(render_seconds, parse_seconds)` is called at the end (for metrics)."""
     if prep.static_prefix >= MIN_PIN:
-        await engine.pin(prep.prompt[: prep.static_prefix])
+        await engine.pin(prep.prompt[: prep.static_prefix], req.scope)
     prompt = list(prep.prompt)
     reused = computed = completion = 0
     reasoning_done = False
@@ -326,6 +374,7 @@ async def run(
             max_tokens=req.reasoning_budget,
             stop=("</think>",),
             session=req.session,
+            scope=req.scope,
             preserve=prep.preserve,
         )
         text = ""
@@ -360,6 +409,7 @@ async def run(
         max_tokens=req.max_tokens,
         stop=req.stop,
         session=req.session,
+        scope=req.scope,
         preserve=prep.preserve,
     )
     stream = engine.submit(gen)

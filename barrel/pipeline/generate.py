@@ -30,7 +30,7 @@ from barrel.pipeline.request import GenerateRequest, Message
 from barrel.pipeline.sampling import Dialect
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.templates import ChatTemplate
-from barrel.pipeline.types import SamplingParams
+from barrel.pipeline.types import SamplingParams, SessionId
 
 # reasoning tokens allowed before the thinking block is closed for the model
 EFFORT_BUDGETS = {"minimal": 64, "low": 256, "medium": 512, "high": 1024, "xhigh": 2048}
@@ -191,6 +191,13 @@ def _sampling(
     return sampling, limit, (*stop, *req.stop)
 
 
+def _session(model: str, messages: list[dict[str, Any]], req: GenerateRequest) -> SessionId:
+    """The KV session: the client's conversation id (or a hash of the conversation's
+    start), inside the request's scope."""
+    session = derive_session(model, messages, req.conversation, req.user)
+    return SessionId(f"{req.scope}/{session}") if req.scope else session
+
+
 def _raw_prompt(session: ModelAccess, req: GenerateRequest) -> list[int] | None:
     raw = req.raw
     if raw is None:
@@ -239,7 +246,8 @@ async def _prepared(
         stop=stop,
         thinking=thinking,
         reasoning_budget=budget,
-        session=derive_session(session.name, messages, req.conversation, req.user),
+        session=_session(session.name, messages, req),
+        scope=req.scope,
         keep_alive=req.keep_alive,
         template_kwargs=kwargs,
         pin_messages=before + req.pin_messages if req.pin_messages else 0,

@@ -141,6 +141,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # the KV session: a conversation id (header, prompt_cache_key) and a user id
     conversation: str | None = None
     user: str | None = None
+    # whose request it is (an API key's hash, set by the server; "" without keys): KV
+    # cells and cached-token counts stay within it
+    scope: str = ""
     # pin the prompt up to the end of this many request messages (a cache breakpoint)
     pin_messages: int = 0
     raw: RawPrompt | None = None

@@ -9,6 +9,7 @@ from barrel.engine.types import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
+    SessionId,
     TokenLogprob,
     Usage,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "SamplingParams",
+    "SessionId",
     "TokenLogprob",
     "Usage",
 ]

@@ -15,10 +15,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from barrel.errors import BarrelError
 from barrel.store.blobs import DigestMismatch, hash_file
 from barrel.store.names import parse_digest
+from barrel.store.netpolicy import NetPolicy
+from barrel.store.netpolicy import origin_of as url_origin
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +46,45 @@ class Cancelled(BarrelError):
 Progress = Callable[[int, int | None], None]  # (completed, total)
 
 
-def open_url(url: str, headers: dict[str, str] | None = None, timeout: float = 30.0) -> object:
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """Every redirect target passes the pull's network policy too."""
+
+    def __init__(self, policy: NetPolicy) -> None:
+        self.policy = policy
+
+    def redirect_request(
+        self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str
+    ) -> Any:
+        self.policy.check(newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def open_url(
+    url: str,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+    policy: NetPolicy | None = None,
+) -> object:
+    """GET `url`. With a `policy` (a pull's), the URL and every redirect are checked
+    first, and a failure to connect says nothing of the port (open, closed, filtered)."""
     req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, **(headers or {})})
+    if policy is not None:
+        policy.check(url)
+        opener = urllib.request.build_opener(_CheckedRedirects(policy))
+    else:
+        opener = urllib.request.build_opener()
     try:
-        return urllib.request.urlopen(req, timeout=timeout)
+        return opener.open(req, timeout=timeout)
     except urllib.error.HTTPError as exc:
         raise DownloadError(
             f"GET {url}: HTTP {exc.code} {exc.reason}", http_status=exc.code
         ) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
+        if isinstance(reason, BarrelError):
+            raise reason from None  # a redirect the policy refused
+        if policy is not None and url_origin(url) not in policy.trusted:
+            raise DownloadError(f"GET {url}: the server could not be reached") from None
         raise DownloadError(f"GET {url}: {reason}") from None
 
 
@@ -66,6 +98,7 @@ def fetch(
     cancelled: threading.Event,
     headers: dict[str, str] | None = None,
     timeout: float = 30.0,
+    policy: NetPolicy | None = None,
 ) -> tuple[str, int]:
     """Download `url` into `partial`; returns (sha256 digest, size). The partial stays
     on failure (to resume) except on a digest mismatch."""
@@ -81,7 +114,7 @@ def fetch(
         req_headers = dict(headers or {})
         if have:
             req_headers["Range"] = f"bytes={have}-"
-        resp = open_url(url, req_headers, timeout)
+        resp = open_url(url, req_headers, timeout, policy)
         with resp as r:  # type: ignore[attr-defined]
             status = r.status
             if have and status == 200:

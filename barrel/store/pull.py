@@ -70,6 +70,7 @@ def run_pull(
                 size=art.size,
                 progress=progress,
                 cancelled=cancelled,
+                policy=registries.policy,
             )
             emit({"status": "verifying sha256 digest"})
             store.blobs.commit(partial, digest)

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from barrel.errors import InvalidRequest, NotFound
+from barrel.errors import BarrelError, InvalidRequest, NotFound
 from barrel.store import manifests as mt
 from barrel.store.download import DownloadError, open_url
 from barrel.store.names import DEFAULT_HOST, ModelName, parse_digest
+from barrel.store.netpolicy import NetPolicy
 
 HF_HOSTS = ("hf.co", "huggingface.co")
 DEFAULT_QUANT = "Q4_K_M"
@@ -42,15 +43,28 @@ class PullPlan:
 
 @dataclass(frozen=True)
 class Registries:
-    """Base URLs by registry host; anything not listed is reached over https."""
+    """Base URLs by registry host; anything not listed is reached over https (plain http
+    with `insecure`), and only at public addresses unless `private_networks`
+    (barrel.store.netpolicy)."""
 
     hosts: Mapping[str, str] = field(
         default_factory=lambda: {DEFAULT_HOST: "https://registry.ollama.ai"}
     )
     huggingface: str = "https://huggingface.co"
+    private_networks: bool = False
+    insecure: bool = False
 
     def base(self, host: str) -> str:
-        return self.hosts.get(host, f"https://{host}").rstrip("/")
+        scheme = "http" if self.insecure else "https"
+        return self.hosts.get(host, f"{scheme}://{host}").rstrip("/")
+
+    @property
+    def policy(self) -> NetPolicy:
+        return NetPolicy.trusting(
+            [*self.hosts.values(), self.huggingface],
+            private_networks=self.private_networks,
+            insecure=self.insecure,
+        )
 
 
 def _url_key(url: str) -> str:
@@ -118,15 +132,15 @@ def _url(text: str) -> PullPlan:
     return PullPlan(name, [Artifact(text, mt.MODEL, None, None, _url_key(text))])
 
 
-def _json(url: str) -> Any:
-    with open_url(url, {"Accept": "application/json"}) as resp:  # type: ignore[attr-defined]
+def _json(url: str, registries: Registries) -> Any:
+    with open_url(url, {"Accept": "application/json"}, policy=registries.policy) as resp:  # type: ignore[attr-defined]
         return json.loads(resp.read(16 << 20))
 
 
 def _hf_tree(repo: str, registries: Registries) -> list[dict[str, Any]]:
     url = f"{registries.huggingface.rstrip('/')}/api/models/{repo}/tree/main"
     try:
-        files = _json(url)
+        files = _json(url, registries)
     except DownloadError as exc:
         raise NotFound(f"hf.co/{repo}: {exc.message}") from None
     if not isinstance(files, list):
@@ -187,12 +201,14 @@ def _ollama(name: ModelName, registries: Registries) -> PullPlan:
     base = registries.base(name.host)
     url = f"{base}/v2/{name.namespace}/{name.model}/manifests/{name.tag}"
     try:
-        with open_url(url, {"Accept": mt.MANIFEST_V2}) as resp:  # type: ignore[attr-defined]
+        with open_url(url, {"Accept": mt.MANIFEST_V2}, policy=registries.policy) as resp:  # type: ignore[attr-defined]
             manifest = mt._decoder.decode(resp.read(1 << 20))
     except DownloadError as exc:
         if exc.http_status == 404:
             raise NotFound(f"model {str(name)!r} not found in {base}") from None
         raise
+    except BarrelError:
+        raise  # refused by the network policy
     except Exception as exc:  # noqa: BLE001 - a registry answer is untrusted input
         raise DownloadError(f"{url}: bad manifest: {exc}") from None
     blobs = f"{base}/v2/{name.namespace}/{name.model}/blobs/"

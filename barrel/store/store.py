@@ -120,6 +120,7 @@ class ModelStore:
         # second download of the same blob waits for the first.
         self._downloads: dict[Path, threading.Lock] = {}
         self._downloads_lock = threading.Lock()
+        self._writing: set[Path] = set()
         # Model blobs that a trial load in a child process accepted (barrel.store.trial).
         self._loadable: set[str] = set()
         self.trial_load = trial_load
@@ -136,9 +137,21 @@ class ModelStore:
                 with self._downloads_lock:
                     self._downloads.pop(partial, None)
 
+    @contextlib.contextmanager
+    def writing(self, path: Path) -> Iterator[Path]:
+        """Mark a file being written into the blob directory (an upload) as in flight:
+        prune leaves it alone."""
+        with self._downloads_lock:
+            self._writing.add(path)
+        try:
+            yield path
+        finally:
+            with self._downloads_lock:
+                self._writing.discard(path)
+
     def active_partials(self) -> set[Path]:
         with self._downloads_lock:
-            return set(self._downloads)
+            return set(self._downloads) | self._writing
 
     # -- reading ------------------------------------------------------------------
 
@@ -338,10 +351,27 @@ class ModelStore:
                 self.blobs.path(digest).unlink(missing_ok=True)
                 removed.append(digest)
         active = (active_partials or set()) | self.active_partials()
-        partials = [p for p in self.blobs.partials() if p not in active]
+        # A temporary file written to in the last minutes belongs to a writer still at it
+        # (an import hashing into the store): only older ones are left over.
+        fresh = time.time() - TMP_GRACE_S
+        partials = [
+            p
+            for p in self.blobs.partials()
+            if p not in active and not (p.name.endswith(".tmp") and _mtime(p) > fresh)
+        ]
         for p in partials:
             p.unlink(missing_ok=True)
         return removed, partials
+
+
+TMP_GRACE_S = 600.0
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def modified_iso(ts: float) -> str:

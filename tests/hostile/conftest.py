@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from barrel.store import bundled
-from barrel.store.synthetic import TinyShape, Tweak, write_tiny_gguf
+from barrel.store.synthetic import TinyShape, Tweak, write_small_gguf, write_tiny_gguf
 from tests.daemon import Daemon, serve_models
 
 NORMAL = {
@@ -50,9 +50,10 @@ def hostile(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> Iterat
     imports = tmp / "imports"
     imports.mkdir()
     shutil.copy(tiny_path, imports / "tiny.gguf")
+    broken = write_small_gguf(tmp / "no-weights.gguf")  # a valid header, not a model
     d = serve_models(
         tmp,
-        {"tiny": tiny_path},
+        {"tiny": tiny_path, "broken": broken},
         f'import_dir = "{imports}"\n[limits]\ntemplate_render_s = 1.0\n',
     )
     yield Hostile(d, imports)
