@@ -33,6 +33,9 @@ class ServerConfig(_Section, frozen=True):
     shutdown_grace_s: float = 30.0
     access_log: bool = True
     log_level: str = "info"
+    # POST /debug/crash {"model": NAME} kills that model's engine thread: for soak tests
+    # (bench/soak.py) only, never on a daemon others use.
+    fault_injection: bool = False
 
 
 class LimitsConfig(_Section, frozen=True):

@@ -117,6 +117,15 @@ class Models:
         None = the configured default. ValueError on anything else."""
         return keep_alive_seconds(value, self.config.models.default_keep_alive)
 
+    async def crash_engine(self, model: str) -> None:
+        """Kill the model's engine thread (fault injection for soak tests): its requests
+        end with an error, its supervisor restarts it."""
+        lease = await self.lifecycle.unqueued(model)
+        try:
+            lease.engine.inject_fault(RuntimeError("engine crash injected"))
+        finally:
+            await self.lifecycle.release(lease)
+
     async def preload(self, model: str, keep_alive: float | None = None) -> None:
         await self.lifecycle.preload(model, keep_alive)
 

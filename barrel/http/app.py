@@ -9,6 +9,7 @@ from aiohttp import web
 from barrel.config import Config
 from barrel.http import (
     anthropic,
+    debug,
     health,
     ollama_gen,
     ollama_models,
@@ -52,4 +53,6 @@ def make_app(config: Config, services: Services) -> web.Application:
         status,
     ):
         app.router.add_routes(module.routes)
+    if config.server.fault_injection:
+        app.router.add_routes(debug.routes)
     return app
