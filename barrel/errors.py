@@ -23,6 +23,11 @@ class BarrelError(Exception):
         self.retry_after = retry_after
         self.param = param  # the request field at fault, when one is (OpenAI's "param")
 
+    def message_for(self, dialect: str) -> str:
+        """The message in the words a dialect's clients recognise ("openai",
+        "anthropic", "ollama"): the same for most errors."""
+        return self.message
+
 
 class InvalidRequest(BarrelError):
     status = 400

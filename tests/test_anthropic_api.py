@@ -224,7 +224,10 @@ def test_count_tokens_matches_input_tokens(client: anthropic.Anthropic) -> None:
     }
     counted = client.messages.count_tokens(**kwargs)
     r = client.messages.create(max_tokens=8, extra_body=GREEDY, **kwargs)
-    assert counted.input_tokens == r.usage.input_tokens > 50
+    u = r.usage
+    # as in Anthropic's API, the three input counts add up to the prompt
+    total = u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0)
+    assert counted.input_tokens == total > 50
 
 
 def test_second_turn_reads_the_cache(client: anthropic.Anthropic) -> None:
@@ -232,7 +235,8 @@ def test_second_turn_reads_the_cache(client: anthropic.Anthropic) -> None:
     first = client.messages.create(
         model="qwen", max_tokens=24, extra_body=GREEDY, metadata=meta, messages=QUESTION
     )
-    assert first.usage.cache_creation_input_tokens
+    assert first.usage.cache_read_input_tokens == 0
+    assert first.usage.input_tokens > 10
     second = client.messages.create(
         model="qwen",
         max_tokens=24,
@@ -246,6 +250,7 @@ def test_second_turn_reads_the_cache(client: anthropic.Anthropic) -> None:
     )
     assert second.usage.cache_read_input_tokens
     assert second.usage.cache_read_input_tokens >= first.usage.input_tokens - 2
+    assert second.usage.input_tokens < second.usage.cache_read_input_tokens
 
 
 def test_errors_in_anthropic_envelope(client: anthropic.Anthropic) -> None:
@@ -396,3 +401,60 @@ def test_a_waiting_stream_pings_then_ends_with_an_error_event(impatient: Daemon)
     assert error["type"] == "error"
     assert error["error"]["type"] == "overloaded_error"
     assert "queue" in error["error"]["message"]
+
+
+def test_the_models_api_answers_in_anthropics_shape(client: anthropic.Anthropic) -> None:
+    page = client.models.list(limit=1)
+    assert len(page.data) == 1
+    first = page.data[0]
+    assert first.type == "model"
+    assert first.display_name == first.id
+    assert first.created_at.year >= 2000
+    assert page.has_more is True
+    assert page.first_id == page.last_id == first.id
+    ids = [m.id for m in client.models.list()]  # the SDK follows the pages
+    assert {"qwen", "tiny"} <= set(ids)
+    one = client.models.retrieve("tiny")
+    assert (one.id, one.type) == ("tiny", "model")
+
+
+def test_a_prompt_longer_than_the_context_is_anthropics_prompt_too_long(
+    client: anthropic.Anthropic,
+) -> None:
+    long: Any = [{"role": "user", "content": "word " * 3000}]
+    with pytest.raises(anthropic.BadRequestError) as too_long:
+        client.messages.create(model="tiny", max_tokens=4, messages=long)
+    assert "prompt is too long: 30" in too_long.value.message
+    assert "tokens > 2047 maximum" in too_long.value.message
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_tool_use_that_says_max_tokens(
+    client: anthropic.Anthropic,
+) -> None:
+    tool: Any = {"name": "get_weather", "description": DESCRIPTION, "input_schema": CITY}
+    r = client.messages.create(
+        model="tiny",
+        max_tokens=14,
+        extra_body=GREEDY,
+        tools=[tool],
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    )
+    assert r.stop_reason == "max_tokens"
+    (use,) = [b for b in r.content if b.type == "tool_use"]
+    assert use.name == "get_weather"
+    assert isinstance(use.input, dict)
+
+
+@pytest.mark.parametrize("seed", range(1, 7))
+def test_the_weather_prompt_is_a_tool_use_at_temperature_0_8(
+    client: anthropic.Anthropic, seed: int
+) -> None:
+    r = client.messages.create(
+        model="qwen",
+        max_tokens=96,
+        extra_body={"temperature": 0.8, "seed": seed},
+        tools=[WEATHER],
+        messages=[{"role": "user", "content": "What is the weather in Paris right now?"}],
+    )
+    assert [b.name for b in r.content if b.type == "tool_use"] == ["get_weather"], r.content

@@ -235,7 +235,9 @@ async def test_api_ps(aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Pat
     assert model["context_length"] == 1024
     assert (model["active"], model["running"], model["queued"]) == (1, 1, 0)
     assert model["expires_at"] is None, "no expiry while active"
-    assert model["size"] > await asyncio.to_thread(os.path.getsize, tiny_path)
+    file_size = await asyncio.to_thread(os.path.getsize, tiny_path)
+    assert model["size"] > file_size  # the weights and the KV cache
+    assert model["size"] < file_size + (64 << 20), "no estimate margin (1 GiB) in it"
     await lc.release(lease, keep_alive=60)
     (model,) = (await (await client.get("/api/ps")).json())["models"]
     assert model["active"] == 0

@@ -204,3 +204,43 @@ def test_logprobs_when_asked(client: ollama.Client) -> None:
         assert lp.top_logprobs[0].token == lp.token, "greedy takes the most likely token"
     plain = client.generate(model="qwen", prompt="Hi", options={"num_predict": 2})
     assert not plain.logprobs
+
+
+def test_a_prompt_longer_than_the_context_is_cut_as_ollama_cuts_it(daemon: Daemon) -> None:
+    """Ollama keeps the first tokens and the end of a prompt that does not fit, and
+    answers; it does not refuse it."""
+    client = ollama.Client(host=daemon.url)
+    long = "word " * 3000
+    r = client.chat(
+        model="tiny",
+        messages=[{"role": "user", "content": long + "\nthe end"}],
+        options={"num_predict": 8, "temperature": 0},
+    )
+    assert r.done
+    assert r.prompt_eval_count is not None
+    assert 1000 < r.prompt_eval_count <= 2048 - 8
+
+
+def test_a_call_cut_by_num_predict_is_a_tool_call_that_says_length(daemon: Daemon) -> None:
+    client = ollama.Client(host=daemon.url)
+    r = client.chat(
+        model="qwen",
+        messages=[{"role": "user", "content": "What is the weather in Paris right now?"}],
+        tools=[WEATHER],
+        options={"temperature": 0, "num_predict": 14},
+    )
+    assert r.done_reason == "length"
+    (call,) = r.message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert isinstance(call.function.arguments, dict)
+
+
+@pytest.mark.parametrize("seed", range(1, 7))
+def test_the_weather_prompt_is_a_tool_call_at_temperature_0_8(daemon: Daemon, seed: int) -> None:
+    r = ollama.Client(host=daemon.url).chat(
+        model="qwen",
+        messages=[{"role": "user", "content": "What is the weather in Paris right now?"}],
+        tools=[WEATHER],
+        options={"temperature": 0.8, "seed": seed, "num_predict": 96},
+    )
+    assert [c.function.name for c in r.message.tool_calls or []] == ["get_weather"], r.message

@@ -782,3 +782,50 @@ def test_leaving_a_stream_of_two_choices_frees_both_sequences(daemon: Daemon) ->
     while (s := qwen_status())["active_sequences"] or s["running"]:
         assert time.monotonic() < deadline, s
         time.sleep(0.1)
+
+
+def test_a_prompt_longer_than_the_context_is_openais_context_length_error(
+    client: openai.OpenAI,
+) -> None:
+    long: Any = [{"role": "user", "content": "word " * 3000}]
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model="tiny", messages=long, max_tokens=4)
+    body: Any = too_long.value.body
+    assert body["code"] == "context_length_exceeded"
+    # the wording OpenAI uses, which clients (litellm's fallbacks) look for
+    assert "This model's maximum context length is 2048 tokens" in body["message"]
+    assert "your messages resulted in 30" in body["message"]
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_call_that_says_length(
+    client: openai.OpenAI,
+) -> None:
+    ask: Any = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=ask,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=14,
+        temperature=0,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments), dict)  # closed where it was cut
+    assert choice.message.content is None
+
+
+@pytest.mark.parametrize("seed", range(1, 7))
+def test_the_weather_prompt_is_a_call_at_temperature_0_8(client: openai.OpenAI, seed: int) -> None:
+    r = client.chat.completions.create(
+        model="qwen",
+        messages=[{"role": "user", "content": "What is the weather in Paris right now?"}],
+        tools=[WEATHER],
+        temperature=0.8,
+        seed=seed,
+        max_tokens=96,
+    )
+    calls = r.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather"], r.choices[0].message.content

@@ -482,3 +482,29 @@ def test_prune_from_the_cli(env: Env, gguf: Path) -> None:
     )
     assert down.returncode == 1
     assert "barrel serve" in down.stderr
+
+
+def test_insecure_pulls_from_a_plain_http_registry_and_says_so_without_it(
+    tmp_path: Path, registry: RegistryServer, gguf: Path
+) -> None:
+    """A registry the configuration does not name, on plain http (as `ollama pull
+    --insecure` reaches one); private addresses allowed by the configuration."""
+    (tmp_path / "plain").mkdir()
+    plain = RegistryServer(tmp_path / "plain")
+    try:
+        plain.add_ollama_model("library/plain", "latest", gguf)
+        (tmp_path / "daemon").mkdir()
+        e = Env(tmp_path / "daemon", registry, private_networks=True)
+        e.start()
+        try:
+            name = f"127.0.0.1:{plain.port}/library/plain"
+            with pytest.raises(ollama.ResponseError) as refused:
+                e.client().pull(name)
+            assert "insecure" in str(refused.value)
+            done = e.client().pull(name, insecure=True)
+            assert done.status == "success"
+            assert name + ":latest" in {m.model for m in e.client().list().models}
+        finally:
+            e.stop()
+    finally:
+        plain.stop()

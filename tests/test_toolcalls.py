@@ -226,3 +226,65 @@ def test_plain_text_streams_before_the_end() -> None:
     assert parser.feed("Hello there, ") == [Text("Hello there, ")]
     assert parser.feed("this is <tool") == [Text("this is ")], "a marker prefix is held"
     assert parser.feed("bar> ok") == [Text("<toolbar> ok")]
+
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+PRETTY = '{\n    "name": "get_weather",\n    "arguments": {\n        "city": "Paris"\n    }\n}'
+SPACED = '{ "name" : "get_weather" , "arguments" : { "city" : "Paris" } }'
+# (output, the content around the call); every shape Qwen2.5-Coder was seen to write
+WRAPPED = [
+    (CALL, ""),
+    (PRETTY, ""),
+    (SPACED, ""),
+    ("\n\n" + PRETTY + "\n", ""),
+    (PRETTY + "\n```", ""),  # a stray closing fence
+    ("```json\n" + PRETTY + "\n```", ""),
+    ("```\n" + CALL + "\n```\n", ""),
+    ("Sure! " + PRETTY, "Sure! "),
+    (
+        "I will check the weather.\n\n" + CALL + "\n\nOne moment.",
+        "I will check the weather.\n\n\n\nOne moment.",
+    ),
+    ("Let me look:\n```json\n" + SPACED + "\n```\nDone.", "Let me look:\n\nDone."),
+    ("<tool_call>\n" + PRETTY + "\n</tool_call>", ""),
+]
+
+
+@pytest.mark.parametrize(("fam", "shape"), [(f, w) for f in ("hermes", "generic") for w in WRAPPED])
+def test_a_call_object_in_any_whitespace_fence_or_prose_is_a_call(
+    fam: str, shape: tuple[str, str]
+) -> None:
+    output, content = shape
+    if fam == "generic" and "<tool_call>" in output:
+        return  # hermes' own markers
+    for chunks in ([output], list(output)):
+        text, _, calls = run(fam, chunks)
+        assert calls == [("get_weather", PARIS)], (fam, output, len(chunks))
+        assert text == content, (fam, output, len(chunks))
+
+
+def test_braces_that_are_not_a_call_stay_text_in_order() -> None:
+    output = 'Use {x} and {"a": 1} then ```python\nprint({1: 2})\n``` end'
+    for chunks in ([output], list(output)):
+        text, _, calls = run("hermes", chunks)
+        assert calls == []
+        assert text == output
+
+
+@pytest.mark.parametrize(
+    ("output", "args"),
+    [
+        ('{"name": "get_weather", "arguments": {"city": "Par', {"city": "Par"}),
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "un',
+            {"city": "Paris"},
+        ),
+        ('{"name": "get_weather", "argu', {}),
+        ('{"name": "get_weather", "arguments": {"city": "Paris"}', {"city": "Paris"}),
+    ],
+)
+def test_a_call_cut_short_is_a_call_with_the_arguments_so_far(output: str, args: dict) -> None:
+    for chunks in ([output], list(output)):
+        text, _, calls = run("hermes", chunks)
+        assert calls == [("get_weather", args)], output
+        assert text == ""

@@ -410,7 +410,9 @@ class Lifecycle:
                 {
                     "name": name,
                     "model": name,
-                    "size": spec.estimate_bytes,
+                    # what is allocated (weights and KV cache), not the load's estimate
+                    # with its safety margin
+                    "size": spec.estimate_bytes - self.config.models.model_load_memory_margin_b,
                     "size_vram": 0,
                     "digest": spec.digest.removeprefix("sha256:"),
                     "details": spec.details,

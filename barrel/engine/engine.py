@@ -236,7 +236,9 @@ class Engine:
             raise PromptTooLong("the prompt is empty")
         if len(req.prompt) >= self.n_ctx:
             raise PromptTooLong(
-                f"the prompt has {len(req.prompt)} tokens; the context holds {self.n_ctx}"
+                f"the prompt has {len(req.prompt)} tokens; the context holds {self.n_ctx}",
+                tokens=len(req.prompt),
+                limit=self.n_ctx,
             )
         # Built in the caller's thread (it needs the vocabulary only): a bad grammar fails
         # the request before it is queued.

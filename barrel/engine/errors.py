@@ -13,6 +13,26 @@ class ModelLoadError(BarrelError):
 class PromptTooLong(InvalidRequest):
     code = "context_length_exceeded"
 
+    def __init__(self, message: str, *, tokens: int = 0, limit: int = 0) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.limit = limit
+
+    def message_for(self, dialect: str) -> str:
+        """OpenAI's and Anthropic's own wordings, which clients (litellm's context-window
+        fallbacks, say) look for."""
+        if not self.limit:
+            return self.message
+        if dialect == "openai":
+            return (
+                f"This model's maximum context length is {self.limit} tokens. However, "
+                f"your messages resulted in {self.tokens} tokens. Please reduce the length "
+                "of the messages."
+            )
+        if dialect == "anthropic":
+            return f"prompt is too long: {self.tokens} tokens > {self.limit - 1} maximum"
+        return self.message
+
 
 class InvalidGrammar(InvalidRequest):
     code = "invalid_grammar"

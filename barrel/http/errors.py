@@ -94,4 +94,5 @@ def error_response(
 
 
 def render(path: str, err: BarrelError) -> web.Response:
-    return error_response(path, err.status, err.code, err.message, err.retry_after, err.param)
+    message = err.message_for(dialect_for(path).value)
+    return error_response(path, err.status, err.code, message, err.retry_after, err.param)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
+import time
 from typing import Any
 
 import msgspec
@@ -43,9 +44,51 @@ def _entry(name: str, created: int, root: str | None = None) -> dict[str, Any]:
     return entry
 
 
+def _anthropic(request: web.Request) -> bool:
+    """Anthropic's SDKs send `anthropic-version` on every request: they get the shape of
+    Anthropic's Models API."""
+    return "anthropic-version" in request.headers
+
+
+def _anthropic_entry(name: str, created: int) -> dict[str, Any]:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+    return {"type": "model", "id": name, "display_name": name, "created_at": stamp}
+
+
+def _page(request: web.Request, names: list[str]) -> tuple[list[str], bool]:
+    """Anthropic's paging: limit (1-1000, default 20), after_id or before_id."""
+    try:
+        limit = int(request.query.get("limit", "20"))
+    except ValueError:
+        raise InvalidRequest("limit must be an integer") from None
+    if not 1 <= limit <= 1000:
+        raise InvalidRequest("limit must be between 1 and 1000")
+    after, before = request.query.get("after_id"), request.query.get("before_id")
+    if after is not None:
+        names = names[names.index(after) + 1 :] if after in names else []
+    elif before is not None:
+        names = names[: names.index(before)] if before in names else []
+        return names[-limit:], len(names) > limit
+    return names[:limit], len(names) > limit
+
+
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     models = await _models(request)
+    listed = dict(models)
+    for alias, target in request.app[CONFIG].models.aliases.items():
+        if target in models and alias not in models:
+            listed[alias] = models[target]
+    if _anthropic(request):
+        page, more = _page(request, list(listed))
+        return web.json_response(
+            {
+                "data": [_anthropic_entry(n, listed[n]) for n in page],
+                "has_more": more,
+                "first_id": page[0] if page else None,
+                "last_id": page[-1] if page else None,
+            }
+        )
     data = [_entry(name, created) for name, created in models.items()]
     for alias, target in request.app[CONFIG].models.aliases.items():
         if target in models and alias not in models:
@@ -63,8 +106,12 @@ async def retrieve_model(request: web.Request) -> web.Response:
             found = await request.app[MODELS].manage.find(name)
         except NotFound:
             raise NotFound(f"the model {asked!r} does not exist", param="model") from None
-        return web.json_response(_entry(asked, int(found.modified_at), found.name))
-    return web.json_response(_entry(asked, models[name], name))
+        created, root = int(found.modified_at), found.name
+    else:
+        created, root = models[name], name
+    if _anthropic(request):
+        return web.json_response(_anthropic_entry(asked, created))
+    return web.json_response(_entry(asked, created, root))
 
 
 # -- embeddings ---------------------------------------------------------------------------

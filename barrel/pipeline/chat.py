@@ -446,7 +446,10 @@ async def run(
         prompt_computed=c,
         reuse_note=done.usage.reuse_note,
     )
-    reason = "tool_calls" if calls else done.finish_reason.value
+    # A call cut short by the token limit is still a call, but the answer says "length":
+    # clients check for exactly that.
+    cut = done.finish_reason.value == "length"
+    reason = "tool_calls" if calls and not cut else done.finish_reason.value
     yield Finished(
         reason,
         usage,

@@ -17,6 +17,7 @@ protocol: the pipeline does not import the actor layer.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
@@ -32,6 +33,8 @@ from barrel.pipeline.session import derive_session
 from barrel.pipeline.templates import ChatTemplate
 from barrel.pipeline.types import SamplingParams, SessionId
 
+logger = logging.getLogger(__name__)
+
 # reasoning tokens allowed before the thinking block is closed for the model
 EFFORT_BUDGETS = {"minimal": 64, "low": 256, "medium": 512, "high": 1024, "xhigh": 2048}
 DEFAULT_BUDGET = 512
@@ -45,6 +48,9 @@ class ModelAccess(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def n_ctx(self) -> int: ...
 
     def sampling(
         self, dialect: Dialect, options: dict[str, Any]
@@ -263,4 +269,24 @@ async def _prepared(
     elif req.raw is not None and req.raw.context:
         session.check_tokens(list(req.raw.context), "context")
         prep = dataclasses.replace(prep, prompt=[*req.raw.context, *prep.prompt], static_prefix=0)
+    if req.dialect is Dialect.OLLAMA:
+        prep = _fit(prep, session.n_ctx, max_tokens)
     return chat, prep
+
+
+# Ollama keeps the first tokens of a prompt that does not fit (its num_keep default).
+NUM_KEEP = 4
+
+
+def _fit(prep: Prepared, n_ctx: int, max_tokens: int | None) -> Prepared:
+    """Ollama's answer to a prompt longer than the context is to drop tokens after the
+    first NUM_KEEP (the oldest of the conversation) until it fits, not to refuse it;
+    room for the answer is kept too (Barrel does not shift the context mid-answer)."""
+    room = min(max_tokens or 256, n_ctx // 4)
+    budget = n_ctx - room
+    prompt = prep.prompt
+    if len(prompt) <= budget:
+        return prep
+    logger.warning("truncating a prompt of %d tokens to %d (Ollama's way)", len(prompt), budget)
+    kept = [*prompt[:NUM_KEEP], *prompt[len(prompt) - (budget - NUM_KEEP) :]]
+    return dataclasses.replace(prep, prompt=kept, static_prefix=0)

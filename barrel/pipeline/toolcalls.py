@@ -352,6 +352,11 @@ class ToolCallParser:
         self._started = False  # any non-space output seen
         self._region = ""
         self._after_reasoning = False
+        self._after_call = False  # a stray closing fence may follow a bare call object
+        self._spoke = False  # content other than whitespace went out
+        # JSON-call families: a call object may appear anywhere, bare or fenced, with any
+        # whitespace; such text is held until it is known to be a call or not.
+        self._bare_calls = bool(self.tools) and fam.body == "json"
 
     @property
     def _markers(self) -> list[str]:
@@ -378,6 +383,10 @@ class ToolCallParser:
             out += self._drain(final=True)
         if self._state == "call":
             out += self._close_region(self._region + self._buf, final=True)
+        elif self._state == "object":
+            self._region += self._buf
+            self._buf = ""
+            out += self._object(final=True) or []
         elif self._state == "reasoning" and self._buf:
             out.append(Reasoning(self._buf))
         elif self._buf:
@@ -415,6 +424,25 @@ class ToolCallParser:
                 self._state = "text"
                 out += self._close_region(region, final=False)
                 continue
+            if self._state == "object":
+                self._region += self._buf
+                self._buf = ""
+                decided = self._object(final=False)
+                if decided is None:
+                    return out
+                out += decided
+                continue
+            if self._after_call:  # a stray closing fence after a bare call object
+                rest = self._buf.lstrip()
+                if not rest and final:
+                    self._buf = ""  # only whitespace after the last call
+                    return out
+                if not rest or ("```".startswith(rest[:3]) and len(rest) < 3 and not final):
+                    return out
+                if rest.startswith("```"):
+                    self._buf = rest[3:]
+                self._after_call = False
+                continue
             if self._after_reasoning:  # the newlines that follow a reasoning block
                 self._buf = self._buf.lstrip("\n")
                 if not self._buf:
@@ -433,19 +461,30 @@ class ToolCallParser:
                 ):
                     return out  # a marker-stripped call? undecided until the output ends
                 self._started = True
-            found = _earliest(self._buf, self._markers + list(self.family.noise))
+            soft = list(_SOFT_STARTS) if self._bare_calls else []
+            found = _earliest(self._buf, self._markers + list(self.family.noise) + soft)
             if found is None:
-                held = list(self.family.noise) + self._markers
+                held = list(self.family.noise) + self._markers + soft
                 keep = 0 if final else _partial_suffix(self._buf, held)
                 if len(self._buf) > keep:
-                    out.append(Text(self._buf[: len(self._buf) - keep]))
+                    said = self._buf[: len(self._buf) - keep]
+                    out.append(Text(said))
+                    self._spoke = self._spoke or bool(said.strip())
                     self._buf = self._buf[len(self._buf) - keep :]
                 return out
             at, marker = found
             if at:
                 out.append(Text(self._buf[:at]))
+                self._spoke = self._spoke or bool(self._buf[:at].strip())
             if marker in self.family.noise and marker not in self._markers:
                 self._buf = self._buf[at + len(marker) :]
+                continue
+            if marker in soft:
+                if at and not self._spoke and not self._buf[:at].strip():
+                    out.pop()  # only whitespace before a call object: not content
+                self._buf = self._buf[at:]
+                self._state = "object"
+                self._region = ""
                 continue
             self._buf = self._buf[at + len(marker) :]
             if self.reasoning and marker == self.family.reasoning[0]:
@@ -457,12 +496,70 @@ class ToolCallParser:
 
     def _close_region(self, region: str, final: bool) -> list[ParseEvent]:
         calls = self._parse(region)
+        if calls is None and final:
+            partial = self._partial(region)
+            calls = [partial] if partial is not None else None
         if calls is None:
             marker = (
                 "" if self.family.keep_start or not self.family.starts else self.family.starts[0]
             )
             return [Text(marker + region + (self.family.end or "") * (not final))]
         return [_event(c) for c in calls]
+
+    def _object(self, final: bool) -> list[ParseEvent] | None:
+        """The held region that may be a call object (bare or in a ``` fence): its events
+        once decided, None while undecided."""
+        region = self._region
+        start = 0
+        if region.startswith("```"):
+            m = _FENCE_OPEN.match(region)
+            if m is None:  # not a fence opener we know: plain text
+                return self._as_text(region[:3], region[3:])
+            if m.end() == len(region) and not final:
+                return None
+            if m.end() == len(region) or region[m.end()] != "{":
+                return self._as_text(region[: m.end()], region[m.end() :])
+            start = m.end()
+        end = _object_end(region, start)
+        if end is None:
+            if not final and len(region) < MAX_HELD:
+                return None
+            partial = self._partial(region[start:]) if final else None
+            self._region = ""
+            self._state = "text"
+            if partial is not None:
+                return [_event(partial)]
+            return [Text(region)]
+        calls = self._parse_with("json", region[start:end])
+        if calls is None:
+            return self._as_text(region[:1], region[1:])
+        self._region = ""
+        self._state = "text"
+        self._buf = region[end:] + self._buf
+        self._after_call = True
+        return [_event(c) for c in calls]
+
+    def _as_text(self, text: str, rest: str) -> list[ParseEvent]:
+        """Not a call: `text` goes out, `rest` is read again as text."""
+        self._region = ""
+        self._state = "text"
+        self._buf = rest + self._buf
+        return [Text(text)]
+
+    def _partial(self, region: str) -> Call | None:
+        """A call cut short (the token limit): a declared tool's name and the arguments
+        written so far, closed so that they parse."""
+        m = re.search(r'"name"\s*:\s*"([^"\\]+)"', region)
+        if m is None or m.group(1) not in self.tools:
+            return None
+        args = re.search(r'"(?:arguments|parameters)"\s*:\s*', region)
+        if args is None:
+            return m.group(1), {}
+        try:
+            value = json.loads(_close_json(region[args.end() :]))
+        except ValueError:
+            return m.group(1), {}
+        return m.group(1), value if isinstance(value, dict) else {}
 
     def _parse(self, region: str) -> list[Call] | None:
         return self._parse_with(self.family.body, region)
@@ -475,6 +572,63 @@ class ToolCallParser:
         if self.tools and any(name not in self.tools for name, _ in calls):
             return None
         return calls
+
+
+# What may open a bare call object in the text of a JSON-call family.
+_SOFT_STARTS = ("{", "```")
+_FENCE_OPEN = re.compile(r"```[A-Za-z]*[ \t]*\n?[ \t\r\n]*")
+MAX_HELD = 64 * 1024  # a "{" that opens no object this long after is text
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """The index after the JSON object opening at `start` (strings and escapes
+    respected), None while it is not closed."""
+    depth = 0
+    in_string = escaped = False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _close_json(text: str) -> str:
+    """Cut-off JSON completed so that it parses: an open string and the open objects and
+    arrays are closed; a dangling key or comma is dropped."""
+    stack: list[str] = []
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]" and stack:
+            stack.pop()
+    out = text + ('"' if in_string else "")
+    out = re.sub(r'(,\s*"[^"]*"\s*:?\s*|,\s*|:\s*)$', "", out.rstrip())
+    if out.rstrip().endswith(":"):
+        out = out.rstrip()[:-1]
+    return out + "".join(reversed(stack))
 
 
 def _event(call: Call) -> ToolCall:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import ssl
 import threading
 import urllib.error
 import urllib.request
@@ -83,6 +84,11 @@ def open_url(
         reason = getattr(exc, "reason", exc)
         if isinstance(reason, BarrelError):
             raise reason from None  # a redirect the policy refused
+        if isinstance(reason, ssl.SSLError) and url.startswith("https://"):
+            raise DownloadError(
+                f"GET {url}: the server does not speak https; if it is a plain-http "
+                'registry, pull with "insecure": true (ollama pull --insecure)'
+            ) from None
         if policy is not None and url_origin(url) not in policy.trusted:
             raise DownloadError(f"GET {url}: the server could not be reached") from None
         raise DownloadError(f"GET {url}: {reason}") from None

@@ -125,7 +125,8 @@ def test_a_stream_opens_and_closes_blocks_as_the_kind_changes() -> None:
     ]
     start_usage = {"input_tokens": 39, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}  # fmt: skip
     message = {"id": "msg_X", "type": "message", "role": "assistant", "model": "qwen", "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}  # fmt: skip
-    usage = {"input_tokens": 39, "output_tokens": 7, "cache_read_input_tokens": 30, "cache_creation_input_tokens": 9}  # fmt: skip
+    # the three input counts add up to the prompt (39), as Anthropic's do
+    usage = {"input_tokens": 9, "output_tokens": 7, "cache_read_input_tokens": 30, "cache_creation_input_tokens": 0}  # fmt: skip
 
     def delta(i: int, d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         return ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": d})

@@ -3,9 +3,10 @@
 Content blocks decode into neutral messages (tool results become tool messages ahead of
 the user's text; images become image parts; thinking blocks are passed back as the
 turn's reasoning). Events encode as Anthropic's content blocks, or as the named SSE
-events of a stream, with pings while the request waits. `input_tokens` counts the whole
-prompt (so it equals count_tokens); `cache_read_input_tokens` is the part taken from the
-KV cache and `cache_creation_input_tokens` the part prefilled and kept for the next turn.
+events of a stream, with pings while the request waits. As in Anthropic's API, the usage
+counts add up to the prompt (count_tokens): `cache_read_input_tokens` is the part taken
+from the KV cache, `input_tokens` the part computed; `cache_creation_input_tokens` is 0
+(what is computed is kept for the next turn at no extra cost).
 cache_control breakpoints are pinned-prefix hints: the prompt up to the last marked
 message is held in a pinned sequence (without one, the system + tools head is).
 """
@@ -284,11 +285,12 @@ def decode(
 
 
 def usage_of(u: Usage) -> dict[str, int]:
+    """input + cache read + cache creation = the prompt, as Anthropic counts them."""
     return {
-        "input_tokens": u.prompt_tokens,
+        "input_tokens": u.prompt_tokens - u.prompt_reused,
         "output_tokens": u.completion_tokens,
         "cache_read_input_tokens": u.prompt_reused,
-        "cache_creation_input_tokens": u.prompt_computed,
+        "cache_creation_input_tokens": 0,
     }
 
 
@@ -420,6 +422,6 @@ class MessagesEncoder:
 
     def error(self, err: BarrelError) -> list[Frame]:
         status = 529 if err.status == 503 else err.status
-        envelope = error_body(Dialect.ANTHROPIC, status, err.code, err.message)
+        envelope = error_body(Dialect.ANTHROPIC, status, err.code, err.message_for("anthropic"))
         assert isinstance(envelope, dict)
         return [Data(envelope, "error")]

@@ -141,7 +141,9 @@ def token_logprobs(lps: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> list[d
 
 def error_frame(err: BarrelError) -> Data:
     """A stream that began ends with an error in OpenAI's envelope (and no [DONE])."""
-    envelope = error_body(Dialect.OPENAI, err.status, err.code, err.message, err.param)
+    envelope = error_body(
+        Dialect.OPENAI, err.status, err.code, err.message_for("openai"), err.param
+    )
     assert isinstance(envelope, dict)
     return Data(envelope)
 
