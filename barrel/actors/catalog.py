@@ -36,15 +36,24 @@ class Catalog(Child):
         """The model's config (as the store keeps for pulled models), read from the GGUF
         header the first time it is asked for."""
         model = self.lookup(name)
-        if name not in self._configs:
-            self._configs[name] = config_for(read_gguf(model.path))
-        return self._configs[name]
+        if model.name not in self._configs:
+            self._configs[model.name] = config_for(read_gguf(model.path))
+        return self._configs[model.name]
 
     def list_models(self) -> list[LocalModel]:
         return sorted(self._models.values(), key=lambda m: m.name)
 
     def lookup(self, name: str) -> LocalModel:
-        try:
-            return self._models[name]
-        except KeyError:
-            raise NotFound(f"model {name!r} not found") from None
+        """A registered file by its name, also written NAME:latest."""
+        model = self._models.get(name) or self._models.get(name.removesuffix(":latest"))
+        if model is None:
+            raise NotFound(f"model {name!r} not found")
+        return model
+
+    def forget(self, name: str) -> None:
+        """Unregister a file (`/api/delete`): the file itself stays where it is."""
+        model = self.lookup(name)
+        self._models.pop(model.name, None)
+        self._paths.pop(model.name, None)
+        self._configs.pop(model.name, None)
+        logger.info("unregistered model %s (%s stays on disk)", model.name, model.path)

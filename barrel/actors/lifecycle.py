@@ -34,7 +34,7 @@ from barrel.errors import BarrelError, CallTimeout, NotFound, Unavailable
 from barrel.futures import Reply, ToLoop
 from barrel.store.gguf_meta import read_gguf
 from barrel.store.names import ModelName
-from barrel.store.store import ModelStore
+from barrel.store.store import ModelStore, config_for, details_of
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,9 @@ class Lifecycle:
         try:
             local = await bridge.call(catalog, Catalog.lookup, name)
             meta = await self._meta_of(local.path)
-            spec = self._spec(name, local.path, local.size, meta, {}, {}, "")
+            details = meta.pop("details", {})
+            # NAME:latest is NAME: one engine, under the name it was registered with
+            spec = self._spec(local.name, local.path, local.size, meta, {}, details, local.digest)
             self._local_specs[name] = (now, spec)
             return spec
         except NotFound:
@@ -150,9 +152,10 @@ class Lifecycle:
                 "head_count": info.head_count,
                 "head_count_kv": info.head_count_kv,
                 "embedding_length": info.embedding_length,
+                "details": details_of(config_for(info)),
             }
             self._local_meta[key] = meta
-        return meta
+        return dict(meta)
 
     def _spec(
         self,

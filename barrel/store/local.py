@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,14 @@ class LocalModel:
     name: str
     path: Path
     size: int
+    mtime_ns: int = 0
+
+    @property
+    def digest(self) -> str:
+        """A stable 64-hex id, as a store model's manifest digest is: of the file's path,
+        size and modification time (hashing gigabytes at boot would delay the start)."""
+        key = f"{self.path}\0{self.size}\0{self.mtime_ns}".encode()
+        return hashlib.sha256(key).hexdigest()
 
 
 def check_gguf_file(name: str, path: str | Path) -> LocalModel:
@@ -26,9 +35,10 @@ def check_gguf_file(name: str, path: str | Path) -> LocalModel:
     try:
         with p.open("rb") as f:
             magic = f.read(4)
-        size = p.stat().st_size
+        st = p.stat()
+        size = st.st_size
     except OSError as exc:
         raise InvalidRequest(f"model {name}: cannot read {p}: {exc.strerror}") from None
     if magic != GGUF_MAGIC:
         raise InvalidRequest(f"model {name}: {p} is not a GGUF file")
-    return LocalModel(name, p.resolve(), size)
+    return LocalModel(name, p.resolve(), size, st.st_mtime_ns)

@@ -58,14 +58,7 @@ class ModelRecord:
         return meta
 
     def details(self) -> dict[str, Any]:
-        return {
-            "parent_model": self.config.get("parent_model", ""),
-            "format": self.config.get("model_format", "gguf"),
-            "family": self.config.get("model_family", ""),
-            "families": self.config.get("model_families", []),
-            "parameter_size": self.config.get("model_type", ""),
-            "quantization_level": self.config.get("file_type", ""),
-        }
+        return details_of(self.config)
 
     def modelfile(self) -> Modelfile:
         return Modelfile(
@@ -77,6 +70,18 @@ class ModelRecord:
             messages=list(self.messages),
             adapters=[str(p) for p in self.adapter_paths],
         )
+
+
+def details_of(config: dict[str, Any]) -> dict[str, Any]:
+    """Ollama's `details` of a model, from its config (the store's, or a local file's)."""
+    return {
+        "parent_model": config.get("parent_model", ""),
+        "format": config.get("model_format", "gguf"),
+        "family": config.get("model_family", ""),
+        "families": config.get("model_families", []),
+        "parameter_size": config.get("model_type", ""),
+        "quantization_level": config.get("file_type", ""),
+    }
 
 
 def config_for(info: GGUFInfo, parent: str = "") -> dict[str, Any]:
