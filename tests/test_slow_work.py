@@ -39,10 +39,9 @@ async def _ttft(http: aiohttp.ClientSession, url: str) -> float:
     return first
 
 
-async def _round(http: aiohttp.ClientSession, url: str) -> float:
-    """The mean time to first token of 9 requests one after the other: one request
-    stalled behind the import shows, a little jitter does not."""
-    return statistics.mean([await _ttft(http, url) for _ in range(9)])
+async def _round(http: aiohttp.ClientSession, url: str) -> list[float]:
+    """Times to first token of 15 requests one after the other."""
+    return [await _ttft(http, url) for _ in range(15)]
 
 
 async def test_a_large_import_does_not_stall_chat_on_a_store_model(
@@ -84,7 +83,11 @@ async def test_a_large_import_does_not_stall_chat_on_a_store_model(
             after = await _round(http, daemon.url)
         assert lines[-1] == {"status": "success"}, lines
         assert overlapped, "the import ended before the chats: make it bigger"
-        assert during <= 2 * max(before, after), (before, during, after)
+        # typical requests keep their speed, and none waits for the import (a stalled one
+        # waits the whole hashing, seconds, against tens of milliseconds at worst before)
+        typical = max(statistics.median(before), statistics.median(after))
+        assert statistics.median(during) <= 2 * typical, (before, during, after)
+        assert max(during) <= 10 * max(*before, *after), (before, during, after)
         assert daemon.proc.poll() is None
     finally:
         daemon.kill()
