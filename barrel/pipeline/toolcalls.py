@@ -580,10 +580,10 @@ _FENCE_OPEN = re.compile(r"```[A-Za-z]*[ \t]*\n?[ \t\r\n]*")
 MAX_HELD = 64 * 1024  # a "{" that opens no object this long after is text
 
 
-def _object_end(text: str, start: int) -> int | None:
-    """The index after the JSON object opening at `start` (strings and escapes
-    respected), None while it is not closed."""
-    depth = 0
+def _brackets(text: str, start: int = 0) -> tuple[list[tuple[int, str]], bool]:
+    """The brackets of `text` from `start` that stand outside JSON strings (escapes
+    respected), and whether the text ends inside a string."""
+    out: list[tuple[int, str]] = []
     in_string = escaped = False
     for i in range(start, len(text)):
         ch = text[i]
@@ -596,33 +596,30 @@ def _object_end(text: str, start: int) -> int | None:
                 in_string = False
         elif ch == '"':
             in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+        elif ch in "{[]}":
+            out.append((i, ch))
+    return out, in_string
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """The index after the JSON object opening at `start`, None while it is not closed."""
+    depth = 0
+    for i, ch in _brackets(text, start)[0]:
+        depth += 1 if ch in "{[" else -1
+        if depth == 0:
+            return i + 1
     return None
 
 
 def _close_json(text: str) -> str:
     """Cut-off JSON completed so that it parses: an open string and the open objects and
     arrays are closed; a dangling key or comma is dropped."""
+    brackets, in_string = _brackets(text)
     stack: list[str] = []
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
+    for _, ch in brackets:
+        if ch in "{[":
             stack.append("}" if ch == "{" else "]")
-        elif ch in "}]" and stack:
+        elif stack:
             stack.pop()
     out = text + ('"' if in_string else "")
     out = re.sub(r'(,\s*"[^"]*"\s*:?\s*|,\s*|:\s*)$', "", out.rstrip())
