@@ -20,6 +20,7 @@ from barrel.http.codecs.openai_common import (
     error_frame,
     logit_bias_of,
     options_of,
+    progress,
 )
 from barrel.http.keys import MODELS
 from barrel.http.sse import SseWriter
@@ -54,8 +55,8 @@ def _progress(sse: SseWriter | None) -> tuple[Callable[[int], None], Callable[[f
     if sse is None:
         return (lambda _: None), (lambda _: None)
     return (
-        lambda pos: sse.soon(sse.comment(f"queued, position {pos}")),
-        lambda s: sse.soon(sse.comment(f"loading the model, {s:.0f}s")),
+        lambda pos: sse.soon(sse.comment(progress(pos, None)[0].text)),
+        lambda s: sse.soon(sse.comment(progress(None, s)[0].text)),
     )
 
 

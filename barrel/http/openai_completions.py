@@ -69,6 +69,8 @@ def _check(body: CompletionBody, limits: LimitsConfig) -> list[str | list[int]]:
             param="prompt",
         )
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if len(stops) > limits.max_stop:
+        raise InvalidRequest(f"at most {limits.max_stop} stop strings are allowed", param="stop")
     if any(len(s) > limits.max_stop_length for s in stops):
         raise InvalidRequest(
             f"a stop string may have at most {limits.max_stop_length} characters", param="stop"

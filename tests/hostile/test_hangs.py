@@ -80,6 +80,13 @@ def test_eighty_thousand_stop_strings_are_a_400(hostile: Hostile) -> None:
     assert_4xx(r, 400, "stop")
     r = hostile.post("/api/chat", json={**NORMAL, "options": {"stop": ["x" * 5000]}})
     assert_4xx(r, 400, "stop")
+    # one limit for every dialect: limits.max_stop (16)
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": stops[:17]}
+    assert_4xx(hostile.post("/v1/chat/completions", json=ask), 400, "16 stop")
+    ask = {"model": "tiny", "prompt": "x", "stop": stops[:17]}
+    assert_4xx(hostile.post("/v1/completions", json=ask), 400, "16 stop")
+    ok = {"model": "tiny", "prompt": "x", "stop": stops[:16], "max_tokens": 2}
+    assert hostile.post("/v1/completions", json=ok).status_code == 200
     hostile.still_serving()
 
 

@@ -15,7 +15,6 @@ from barrel.pipeline.request import Options
 from barrel.pipeline.types import TokenLogprob, Usage
 
 MAX_N = 8  # choices per request (each one is a sequence of the engine)
-MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 
 
@@ -77,8 +76,6 @@ def check_knobs(k: Knobs) -> None:
         raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
     if k.max_tokens is not None and k.max_tokens < 0:
         raise InvalidRequest("max_tokens must not be negative", param="max_tokens")
-    if isinstance(k.stop, list) and len(k.stop) > MAX_STOP:
-        raise InvalidRequest(f"at most {MAX_STOP} stop sequences are allowed", param="stop")
     for key, bias in (k.logit_bias or {}).items():
         if not (key.isascii() and key.isdigit()):
             raise InvalidRequest(f"logit_bias keys are token ids, not {key!r}", param="logit_bias")
