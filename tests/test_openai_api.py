@@ -691,7 +691,6 @@ def test_a_disconnect_frees_the_slot_for_a_waiting_request(solo: Daemon) -> None
             "POST", solo.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
         ) as waiting,
     ):
-        started = time.monotonic()
         lines = waiting.iter_lines()
         first = next(line for line in lines if line)
         assert first == ": queued, position 1"  # an SSE comment while it waits
@@ -699,9 +698,8 @@ def test_a_disconnect_frees_the_slot_for_a_waiting_request(solo: Daemon) -> None
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     frames = [json.loads(f[6:]) for f in rest[:-1]]
+    # an answer, not the queue timeout (6 s): the 1,500-token request did not run to its end
     assert "Paris" in "".join(f["choices"][0]["delta"].get("content") or "" for f in frames)
-    # well within the queue timeout (6 s): the 1,500-token request did not run to its end
-    assert time.monotonic() - started < 6
 
 
 def test_a_failure_mid_stream_sends_an_error_frame(solo: Daemon) -> None:
@@ -737,7 +735,6 @@ def test_a_failure_mid_stream_sends_an_error_frame(solo: Daemon) -> None:
 
 def test_tokenizing_does_not_wait_behind_generation(solo: Daemon) -> None:
     with _holding(solo.url):  # the only slot is taken
-        started = time.monotonic()
         tok = httpx.post(
             solo.url + "/tokenize", json={"model": "qwen", "content": "Hello"}, timeout=30
         )
@@ -746,12 +743,11 @@ def test_tokenizing_does_not_wait_behind_generation(solo: Daemon) -> None:
             json={"model": "qwen", "messages": QUESTION},
             timeout=30,
         )
-        elapsed = time.monotonic() - started
+    # queued behind the holder, both would have ended in the queue timeout's 503
     assert tok.status_code == 200
     assert tok.json()["tokens"] == [9707]
     assert counted.status_code == 200
     assert counted.json()["input_tokens"] > 10
-    assert elapsed < 3  # no queueing (the queue timeout is 6 s)
 
 
 def test_leaving_a_stream_of_two_choices_frees_both_sequences(daemon: Daemon) -> None:
