@@ -22,6 +22,14 @@ serve: $(VENV)/.stamp-demo
 	$(VENV)/bin/barrel serve --host $(HOST) --port $(PORT) \
 		--model demo=$$($(PY) -m barrel.store.bundled qwen2.5-coder-0.5b)
 
+# instructor pins jiter<0.15, which no openai>=3.31 accepts: it is installed without its
+# pins, beside the test extra (which carries its other needs).
+INSTRUCTOR := instructor==1.17.0
+$(VENV)/.stamp-test: pyproject.toml | $(PY)
+	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --no-deps '$(INSTRUCTOR)'
+	touch $@
+
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 

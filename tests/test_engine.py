@@ -515,6 +515,25 @@ async def test_kv_full_evicts_parked_sequences_then_fails_the_youngest(model: Ll
         e.stop()
 
 
+async def test_a_pinned_prefix_gives_way_to_a_request_that_fills_the_context(
+    model: LlamaModel,
+) -> None:
+    e = Engine(model, EngineOptions(n_ctx=256, n_seq_max=2, max_pins=1)).start()
+    try:
+        # another client's system prompt holds ~100 cells in the pin sequence...
+        other = model.tokenize("You are a careful assistant. " * 15)
+        assert await e.pin(other) == len(other)
+        # ...and a request that does not share it runs to the end of the context: the
+        # pin is a cache and goes, the request is not failed for want of room
+        prompt = model.tokenize("Once upon a time")
+        _, done, _ = await generate(e, GenerationRequest(prompt, max_tokens=1000))
+        assert done.finish_reason == "length"
+        assert done.usage.prompt_tokens + done.usage.completion_tokens == 256
+        assert await e.pin(other) == len(other)  # pinned again on the next ask
+    finally:
+        e.stop()
+
+
 async def test_embedding_truncation(model: LlamaModel) -> None:
     # 5 sequences and a 128-token batch would abort llama.cpp: the engine rounds it to 125
     opts = EngineOptions(n_ctx=512, n_batch=128, n_ubatch=128, n_seq_max=5, embedding=True)

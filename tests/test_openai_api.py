@@ -788,9 +788,9 @@ def test_a_prompt_longer_than_the_context_is_openais_context_length_error(
         client.chat.completions.create(model="tiny", messages=long, max_tokens=4)
     body: Any = too_long.value.body
     assert body["code"] == "context_length_exceeded"
-    # the wording OpenAI uses, which clients (litellm's fallbacks) look for
-    assert "This model's maximum context length is 2048 tokens" in body["message"]
-    assert "your messages resulted in 30" in body["message"]
+    # the wording OpenAI uses, which clients (litellm, langchain-openai) look for
+    assert "Input tokens exceed the configured limit of 2048 tokens" in body["message"]
+    assert "Your messages resulted in 30" in body["message"]
 
 
 def test_a_forced_call_cut_by_max_tokens_is_a_call_that_says_length(

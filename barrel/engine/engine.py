@@ -511,15 +511,16 @@ class Engine:
         return entries
 
     def _decode(self, entries: list[Entry]) -> list[Entry]:
-        """Decode the batch. With no KV room: evict parked sequences, then fail the
-        youngest request, rebuilding the batch each time. Returns the entries decoded."""
+        """Decode the batch. With no KV room: evict parked sequences, then idle pinned
+        prefixes, then fail the youngest request, rebuilding the batch each time.
+        Returns the entries decoded."""
         while True:
             ret = ll.llama_decode(self.ctx, self._batch.raw)
             if ret == 0:
                 return entries
             if ret != 1:
                 raise RuntimeError(f"llama_decode failed with status {ret}")
-            if self.kv.evict_lru():
+            if self.kv.evict_lru() or self.kv.evict_pin():
                 pass
             elif entries:
                 youngest = max((r for r, _, _ in entries), key=lambda r: r.admitted)

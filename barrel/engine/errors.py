@@ -19,15 +19,15 @@ class PromptTooLong(InvalidRequest):
         self.limit = limit
 
     def message_for(self, dialect: str) -> str:
-        """OpenAI's and Anthropic's own wordings, which clients (litellm's context-window
-        fallbacks, say) look for."""
+        """OpenAI's (its current models') and Anthropic's own wordings, which clients
+        look for: litellm's context-window fallbacks, LangChain's ContextOverflowError."""
         if not self.limit:
             return self.message
         if dialect == "openai":
             return (
-                f"This model's maximum context length is {self.limit} tokens. However, "
-                f"your messages resulted in {self.tokens} tokens. Please reduce the length "
-                "of the messages."
+                f"Input tokens exceed the configured limit of {self.limit} tokens. Your "
+                f"messages resulted in {self.tokens} tokens. Please reduce the length of "
+                "the messages."
             )
         if dialect == "anthropic":
             return f"prompt is too long: {self.tokens} tokens > {self.limit - 1} maximum"

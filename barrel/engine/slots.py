@@ -125,6 +125,17 @@ class SlotManager:
         victim.session = None
         return True
 
+    def evict_pin(self) -> bool:
+        """Free the least recently used idle pinned prefix: a pin is only a cache, and a
+        running request that needs its cells comes first."""
+        idle = [p for p in self.pins if not p.busy and p.tokens]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda p: p.last_used)
+        ll.llama_memory_seq_rm(self.mem, victim.seq, -1, -1)
+        victim.tokens = []
+        return True
+
     def clear_all(self) -> None:
         ll.llama_memory_clear(self.mem, True)
         for s in self.slots:

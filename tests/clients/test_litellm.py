@@ -5,25 +5,13 @@ exception classes)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
-import httpx
 import litellm
 import pytest
 
-from tests.daemon import Daemon, serve_models
+from tests.clients.conftest import ASK, LONG, counted
+from tests.daemon import Daemon
 from tests.tools import WEATHER
-
-ASK = [{"role": "user", "content": "Hi"}]
-LONG = [{"role": "user", "content": "word " * 3000}]
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> Iterator[Daemon]:
-    d = serve_models(tmp_path_factory.mktemp("litellm"), {"tiny": tiny_path})
-    yield d
-    d.kill()
 
 
 def _kw(daemon: Daemon, provider: str) -> dict[str, object]:
@@ -48,18 +36,18 @@ def test_chat_and_stream(daemon: Daemon, provider: str) -> None:
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
 def test_an_over_long_prompt_is_a_context_window_error(daemon: Daemon, provider: str) -> None:
     with pytest.raises(litellm.ContextWindowExceededError):
-        litellm.completion(messages=LONG, max_tokens=5, **_kw(daemon, provider))
+        litellm.completion(
+            messages=[{"role": "user", "content": LONG}], max_tokens=5, **_kw(daemon, provider)
+        )
 
 
 def test_anthropic_usage_reports_the_true_prompt_size(daemon: Daemon) -> None:
-    counted = httpx.post(
-        daemon.url + "/v1/messages/count_tokens", json={"model": "tiny", "messages": ASK}
-    ).json()["input_tokens"]
+    size = counted(daemon, "tiny", ASK)
     for _ in range(2):  # the second one reads the KV cache: the total stays the prompt
         r = litellm.completion(
             messages=ASK, max_tokens=5, temperature=0, **_kw(daemon, "anthropic")
         )
-        assert r.usage.prompt_tokens == counted
+        assert r.usage.prompt_tokens == size
 
 
 def test_a_forced_tool_call_is_litellms_tool_call(daemon: Daemon) -> None:
