@@ -23,7 +23,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from barrel import __version__
@@ -63,6 +63,8 @@ class Metrics:
         self.engine = _EngineFamilies(self.registry)
         # What `barrel top` shows (GET /api/status), kept beside the Prometheus families.
         self.live: dict[str, LiveStats] = {}
+        self.model_server = ModelServerCollector(self.live)
+        self.registry.register(self.model_server)
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         self.restart_counts: dict[str, int] = defaultdict(int)
         self.started = time.time()
@@ -236,3 +238,68 @@ class _ResidentCollector(Collector):
         for model, value in sorted(self.resident().items()):
             family.add_metric([model], value)
         yield family
+
+
+# llama.cpp's KV cache has no pages: one cell holds one token, so a "block" is one token
+# and the cache has n_ctx of them.
+KV_BLOCK_TOKENS = 1
+
+
+class ModelServerCollector(Collector):
+    """The model-server metrics protocol that gateways route by (vLLM's names, read by
+    SMG's load monitor and llm-d's endpoint picker), one series per model
+    (`model_name`): every servable model, an unloaded one at zero load (a router reads
+    a missing KV-usage gauge as "load unknown"). The queue depths and contexts come from
+    the last `loaded()` call (the /metrics handler makes one before each scrape); the
+    rest is live."""
+
+    def __init__(self, live: dict[str, LiveStats]) -> None:
+        self.live = live
+        self._loaded: list[tuple[str, int, int]] = []  # (model, waiting, n_ctx)
+        self._idle: list[str] = []
+
+    def loaded(self, models: list[tuple[str, int, int]], servable: list[str]) -> None:
+        """The loaded models (name, requests waiting, context) and every servable name."""
+        self._loaded = list(models)
+        names = {m[0] for m in models}
+        self._idle = sorted(n for n in set(servable) if n not in names)
+
+    def collect(self) -> Iterator[Metric]:
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["model_name", *labels])
+
+        waiting = gauge("vllm:num_requests_waiting", "Requests queued for a sequence")
+        running = gauge("vllm:num_requests_running", "Sequences generating or prefilling")
+        usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 means full)")
+        usage_old = gauge("vllm:gpu_cache_usage_perc", "KV cache usage (1 means full)")
+        config = gauge(
+            "vllm:cache_config_info",
+            "KV cache configuration (a block is one token: llama.cpp's cells)",
+            ("block_size", "num_gpu_blocks"),
+        )
+        for model, queued, n_ctx in self._loaded:
+            live = self.live.get(model)
+            active, cells = (live.active, live.kv_cells) if live else (0, 0)
+            share = min(1.0, cells / n_ctx) if n_ctx > 0 else 0.0
+            waiting.add_metric([model], queued)
+            running.add_metric([model], active)
+            usage.add_metric([model], share)
+            usage_old.add_metric([model], share)
+            config.add_metric([model, str(KV_BLOCK_TOKENS), str(n_ctx)], 1)
+        for model in self._idle:
+            for family in (waiting, running, usage, usage_old):
+                family.add_metric([model], 0)
+        yield from (waiting, running, usage, usage_old, config)
+        queries = CounterMetricFamily(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the KV cache",
+            labels=["model_name"],
+        )
+        hits = CounterMetricFamily(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the KV cache", labels=["model_name"]
+        )
+        for model, live in sorted(self.live.items()):
+            queries.add_metric([model], live.reused + live.computed)
+            hits.add_metric([model], live.reused)
+        yield queries
+        yield hits

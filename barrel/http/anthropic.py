@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from barrel.http.codecs import anthropic as codec
-from barrel.http.generate import SseTransport, serve
+from barrel.http.generate import SseTransport, conversation_of, serve
 from barrel.http.keys import CONFIG, MODELS
 from barrel.http.limits import check_limits
 from barrel.pipeline import generate
@@ -20,7 +20,7 @@ routes = web.RouteTableDef()
 
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
-    conversation = request.headers.get("x-conversation-id")
+    conversation = conversation_of(request)
     req, body = codec.decode(await request.read(), counting=False, conversation=conversation)
     check_limits(request, body.messages, body.tools)
     transport = SseTransport(request) if req.stream else None
@@ -29,7 +29,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
-    conversation = request.headers.get("x-conversation-id")
+    conversation = conversation_of(request)
     req, body = codec.decode(await request.read(), counting=True, conversation=conversation)
     check_limits(request, body.messages, body.tools)
     limits = request.app[CONFIG].limits

@@ -122,6 +122,21 @@ def scope_of(request: web.Request) -> str:
     return hashlib.sha256(key).hexdigest()[:16] if key else ""
 
 
+# Headers that name a conversation, Barrel's own first, then the ones routers pin a
+# session with (SMG's consistent hashing, llm-d and most gateways' session affinity): the
+# router's choice of daemon and the daemon's choice of KV sequence follow the same key.
+SESSION_HEADERS = ("x-conversation-id", "x-session-id", "x-smg-routing-key")
+
+
+def conversation_of(request: web.Request) -> str | None:
+    """The conversation a request names by header, if any (its KV session key)."""
+    for header in SESSION_HEADERS:
+        value = request.headers.get(header)
+        if value:
+            return value
+    return None
+
+
 def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from barrel import __version__
+from barrel.errors import BarrelError
 from barrel.http.keys import METRICS, MODELS
 from barrel.metrics import CONTENT_TYPE
 
@@ -36,10 +37,26 @@ async def ready(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render()
+    metrics = request.app[METRICS]
+    models = request.app[MODELS]
+    try:
+        loaded = await models.ps()
+        servable = [entry.name for entry in await models.manage.all_models()]
+    except BarrelError:  # the tree is (re)starting: no model-server series this time
+        loaded, servable = [], []
+    running = [(m["name"], m["queued"], m["context_length"]) for m in loaded]
+    metrics.model_server.loaded(running, servable)
+    body = metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 @routes.get("/api/version")
 async def version(_request: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
+
+
+@routes.get("/version")
+async def server_version(_request: web.Request) -> web.Response:
+    """vLLM's version probe, which gateways (SMG) use to tell a server that speaks the
+    model-server metrics protocol (the vllm:* families of /metrics)."""
+    return web.json_response({"version": __version__, "server": "barrel"})

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from barrel.errors import InvalidRequest
 from barrel.http.codecs import ollama as codec
-from barrel.http.generate import NdjsonTransport, serve
+from barrel.http.generate import NdjsonTransport, conversation_of, serve
 from barrel.http.keys import CONFIG, MODELS
 from barrel.http.limits import check_limits
 from barrel.pipeline.request import GenerateRequest
@@ -75,14 +75,14 @@ async def _lifecycle_only(
 
 @routes.post("/api/chat")
 async def chat(request: web.Request) -> web.StreamResponse:
-    req, body = codec.decode_chat(await request.read(), request.headers.get("x-conversation-id"))
+    req, body = codec.decode_chat(await request.read(), conversation_of(request))
     check_limits(request, body.messages, body.tools)
     return await _generate(request, req, chat=True)
 
 
 @routes.post("/api/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
-    conversation = request.headers.get("x-conversation-id")
+    conversation = conversation_of(request)
     req, _ = codec.decode_generate(await request.read(), conversation)
     return await _generate(request, req, chat=False)
 

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from barrel.errors import NotFound
 from barrel.http.codecs import openai_responses as codec
-from barrel.http.generate import SseTransport, serve
+from barrel.http.generate import SseTransport, conversation_of, serve
 from barrel.http.limits import check_limits
 from barrel.http.response_store import ResponseStore
 from barrel.pipeline.request import Message
@@ -34,7 +34,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         stored = store.get(response_id)
         return None if stored is None else stored.messages
 
-    conversation = request.headers.get("x-conversation-id")
+    conversation = conversation_of(request)
     req, body = codec.decode(await request.read(), history, conversation)
     check_limits(request, list(req.messages), list(req.tools))
     encoder = codec.ResponsesEncoder(req, body)

@@ -1,6 +1,7 @@
 """Which conversation a request belongs to, for KV reuse across turns.
 
-The x-conversation-id header if sent, else metadata.user_id (Anthropic), else a hash of
+A session header if sent (x-conversation-id, or a router's x-session-id or
+x-smg-routing-key), else metadata.user_id (Anthropic), else a hash of
 the model and the first user message: a stable id without any cooperation from the
 client, since every turn of a conversation repeats its first user message.
 """

@@ -20,7 +20,9 @@ ASK = [{"role": "user", "content": "Hi"}]
 LONG = "word " * 3000  # past the 2048-token context
 
 
-@pytest.fixture(scope="session")
+# package scope: it goes before the rest of the suite runs (a daemon holding Qwen mapped
+# would show in other tests' page-cache residency figures)
+@pytest.fixture(scope="package")
 def daemon(
     tmp_path_factory: pytest.TempPathFactory, tiny_path: Path, qwen_path: Path
 ) -> Iterator[Daemon]:

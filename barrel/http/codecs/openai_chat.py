@@ -235,7 +235,8 @@ def format_of(fmt: dict[str, Any] | None) -> Format:
 
 def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest, ChatBody]:
     """Everything that can be checked without the model, before queueing or loading; and
-    the body, for the encoder. `conversation` is the x-conversation-id header, if sent."""
+    the body, for the encoder. `conversation` is the session header (x-conversation-id, x-session-id
+    or x-smg-routing-key), if sent."""
     body = decode_json(raw, ChatBody)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
