@@ -99,6 +99,8 @@ class ModelDefaults(_Section, frozen=True):
     num_thread: int = 0  # 0: the machine's cores
     kv_cache_type: str = "f16"  # f16 | q8_0 | q4_0
     flash_attn: str = "auto"  # auto | on | off
+    speculation: str = "off"  # ngram (prompt-lookup drafts) | off
+    draft_max: int = 8  # draft tokens verified per step at most
     queue_depth: int = 16  # requests that may wait per model beyond num_seq_max running
     queue_timeout_s: float = 300.0  # a request waiting longer gets 503
     load_timeout_s: float = 600.0
@@ -239,6 +241,10 @@ def validate(config: Config, source: str) -> None:
         errors.append("models.defaults.kv_cache_type: must be f16, q8_0 or q4_0")
     if config.models.defaults.flash_attn not in ("auto", "on", "off"):
         errors.append("models.defaults.flash_attn: must be auto, on or off")
+    if config.models.defaults.speculation not in ("ngram", "off"):
+        errors.append("models.defaults.speculation: must be ngram or off")
+    if not 0 <= config.models.defaults.draft_max <= 64:
+        errors.append("models.defaults.draft_max: must be 0 to 64")
     residency = ("eager", "lazy", "pinned", "lazy_then_pin_resident")
     if config.models.weight_residency_default not in residency:
         errors.append(f"models.weight_residency_default: must be one of {', '.join(residency)}")

@@ -156,6 +156,14 @@ class _EngineFamilies:
         self.requests = counter(
             "barrel_engine_requests", "Generations finished, by reason", ["model", "reason"]
         )
+        self.draft_tokens = counter(
+            "barrel_engine_draft_tokens", "Speculative draft tokens verified", ["model"]
+        )
+        self.draft_accepted = counter(
+            "barrel_engine_draft_accepted_tokens",
+            "Speculative draft tokens kept (equal to the token sampled there)",
+            ["model"],
+        )
         self.prefill = histogram("barrel_engine_prefill_duration_seconds", "Prompt prefill time")
         self.decode = histogram("barrel_engine_decode_duration_seconds", "Generation time")
         self.ttft = histogram("barrel_engine_time_to_first_token_seconds", "Time to first token")
@@ -191,6 +199,8 @@ class EngineMetrics:
         self._step = f.step.labels(model)
         self._active = f.active.labels(model)
         self._kv = f.kv_cells.labels(model)
+        self._drafted = f.draft_tokens.labels(model)
+        self._accepted = f.draft_accepted.labels(model)
 
     def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
         self._step.observe(seconds)
@@ -199,6 +209,10 @@ class EngineMetrics:
         self._active.set(active)
         self._kv.set(kv_cells)
         self.live.active, self.live.kv_cells = active, kv_cells
+
+    def drafted(self, drafted: int, accepted: int) -> None:
+        self._drafted.inc(drafted)
+        self._accepted.inc(accepted)
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

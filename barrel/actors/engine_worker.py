@@ -170,6 +170,10 @@ class _PinAfterFirstRequest:
         if self.inner is not None:
             self.inner.inter_token(seconds)
 
+    def drafted(self, drafted: int, accepted: int) -> None:
+        if self.inner is not None:
+            self.inner.drafted(drafted, accepted)
+
     def finished(self, done: Done) -> None:
         if self.inner is not None:
             self.inner.finished(done)

@@ -182,6 +182,8 @@ class Lifecycle:
             kv_type=KVType(kv_type),
             flash_attn=d.flash_attn if flash is None else ("on" if flash else "off"),
             grammar_sample_s=self.config.limits.grammar_sample_s,
+            speculation=str(params.get("speculation", d.speculation)),
+            draft_max=max(0, min(64, int(params.get("draft_max", d.draft_max)))),
         )
         margin = self.config.models.model_load_memory_margin_b
         return ModelSpec(

@@ -46,6 +46,7 @@ from barrel.engine.model import LlamaModel
 from barrel.engine.run import Run
 from barrel.engine.sampler import Sampler
 from barrel.engine.slots import SlotManager
+from barrel.engine.speculate import NgramDrafter
 from barrel.engine.stream import Stream
 from barrel.engine.types import Done, Event, FinishReason, GenerationRequest, RequestId
 from barrel.errors import BarrelError, InvalidRequest
@@ -64,6 +65,9 @@ class EngineObserver(Protocol):
     def inter_token(self, seconds: float) -> None: ...
 
     def finished(self, done: Done) -> None: ...
+
+    def drafted(self, drafted: int, accepted: int) -> None:
+        """Speculative decoding: draft tokens verified in a step, and how many were kept."""
 
     def occupancy(self, active: int, kv_cells: int) -> None:
         """After every turn of the loop that did work, decoded or not (a cancelled
@@ -84,6 +88,9 @@ class _NoObserver:
         pass
 
     def finished(self, done: Done) -> None:
+        pass
+
+    def drafted(self, drafted: int, accepted: int) -> None:
         pass
 
 
@@ -192,6 +199,12 @@ class Engine:
         self._pin_entries: list[tuple[_PinJob, int]] = []
         self.crashed: BaseException | None = None
         self.steps = 0  # decode steps done
+        # partial KV removal (rejected drafts) needs a plain attention cache
+        self._speculate = (
+            opts.speculation == "ngram"
+            and opts.draft_max > 0
+            and not (model.swa or model.recurrent)
+        )
 
     @property
     def cache(self) -> StateCache:
@@ -454,7 +467,10 @@ class Engine:
                 if index >= 0 and run.req.max_tokens == 0:
                     self._finish(run, FinishReason.LENGTH)  # the prompt only (its logprobs)
                 elif index >= 0:
+                    seq = run.slot.seq if run.slot is not None else -1
                     self._sample(run, index)
+                    if run.draft:
+                        self._verify_draft(run, index, seq)
             self._advance_pins()
             self.observer.step(self._batch.n, len(self._active), self.kv.kv_cells(), elapsed)
         self.observer.occupancy(len(self._active), self.kv.kv_cells())
@@ -473,7 +489,11 @@ class Engine:
             if b.n >= b.capacity:
                 break
             assert run.slot is not None
-            entries.append((run, b.add(run.pending, run.n_past, run.slot.seq, True), 1))
+            index = b.add(run.pending, run.n_past, run.slot.seq, True)
+            run.draft = self._draft(run, b.capacity - b.n)
+            for j, token in enumerate(run.draft):
+                b.add(token, run.n_past + 1 + j, run.slot.seq, True)
+            entries.append((run, index, 1))
         budget = b.capacity - b.n
         if entries:
             budget = min(budget, self.options.prefill_chunk)
@@ -536,6 +556,43 @@ class Engine:
             entries = self._fill_batch()
             if not entries and not self._pin_entries:
                 return []
+
+    def _draft(self, run: Run, room: int) -> list[int]:
+        """Draft tokens to verify after `run`'s pending token (barrel.engine.speculate),
+        within the batch's `room`, the context and the request's token limit."""
+        if not self._speculate:
+            return []
+        history = len(run.req.prompt) + len(run.generated)
+        if run.drafter is None:
+            opts = self.options
+            run.drafter = NgramDrafter(
+                [*run.req.prompt, *run.generated], opts.draft_ngram, opts.draft_max
+            )
+        elif len(run.drafter.history) < history:
+            run.drafter.extend(run.generated[len(run.drafter.history) - history :])
+        room = min(room, self.n_ctx - run.n_past - 2)
+        if run.req.max_tokens is not None:
+            room = min(room, run.req.max_tokens - len(run.generated) - 1)
+        return run.drafter.draft(room)
+
+    def _verify_draft(self, run: Run, index: int, seq: int) -> None:
+        """Keep the draft tokens while each equals the token sampled before it (the
+        token at `index + j` was sampled from the logits of draft token j-1), then drop
+        the rejected ones' KV cells."""
+        draft, run.draft = run.draft, []
+        kept = 0
+        for j, token in enumerate(draft):
+            if run.slot is None or run.pending != token:
+                break
+            run.slot.tokens.append(token)  # already decoded at this position
+            run.n_past += 1
+            run.pending = None
+            kept += 1
+            self._sample(run, index + 1 + j)
+        ll.llama_memory_seq_rm(self.kv.mem, seq, run.n_past, -1)
+        if run.drafter is not None:
+            run.drafter.record(len(draft), kept)
+        self.observer.drafted(len(draft), kept)
 
     def _advance(self, run: Run, n_tokens: int) -> None:
         assert run.slot is not None

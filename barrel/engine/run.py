@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from barrel.engine.kvcache import Slot
 from barrel.engine.model import LlamaModel
 from barrel.engine.sampler import Sampler
+from barrel.engine.speculate import NgramDrafter
 from barrel.engine.stream import Stream
 from barrel.engine.text import StopMatcher, Utf8Stream
 from barrel.engine.types import (
@@ -44,6 +45,10 @@ class Run:
     # prompt logprobs: collected during prefill, and this step's (batch index, position)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     logit_rows: list[tuple[int, int]] = field(default_factory=list)
+    # speculative decoding: the sequence's n-gram index, and this step's draft tokens
+    # (in the batch right after the pending token)
+    drafter: NgramDrafter | None = None
+    draft: list[int] = field(default_factory=list)
     _utf8: Utf8Stream = field(default_factory=Utf8Stream)
     _stops: StopMatcher | None = None
 

@@ -72,6 +72,8 @@ PARAMETERS: dict[str, Any] = {
     "numa": _bool,
     "flash_attn": _bool,
     "kv_cache_type": str,
+    "speculation": str,  # ngram | off
+    "draft_max": int,
     "keep_alive": str,
     "weight_residency": str,
     "queue_depth": int,  # requests that may wait for this model beyond num_seq_max

@@ -1,0 +1,148 @@
+"""Prompt-lookup speculative decoding in the engine: the same greedy output with and
+without it (tiny and Qwen), drafts that are verified and counted, and the KV left
+holding exactly the sequence's tokens.
+
+Seeded sampling keeps its distribution and its random stream (one draw per kept token),
+but not bit for bit: logits computed in a wider step differ in the last bits, which can
+move a draw across a boundary; greedy output is what the tests pin."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import llama_cpp as ll
+import pytest
+
+from barrel.engine.engine import Engine, EngineOptions
+from barrel.engine.model import LlamaModel
+from barrel.engine.speculate import NgramDrafter
+from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
+from barrel.metrics import Metrics
+
+GREEDY = SamplingParams(temperature=0)
+CODE = '''def area(width, height):
+    """The area of a rectangle."""
+    return width * height
+
+
+def perimeter(width, height):
+    """The perimeter of a rectangle."""
+    return 2 * (width + height)
+'''
+
+
+def test_the_drafter_proposes_what_followed_the_trailing_ngram() -> None:
+    d = NgramDrafter([1, 2, 3, 4, 5, 9, 1, 2], n=2, k=3)
+    assert d.draft(room=10) == [3, 4, 5]  # "1 2" was followed by 3 4 5
+    assert d.draft(room=2) == [3, 4]
+    d.extend([7])
+    assert d.draft(room=10) == []  # "2 7" never seen before
+    d.extend([1, 2])
+    assert d.draft(room=10) == [7, 1, 2]  # the latest occurrence wins
+    d.record(drafted=40, accepted=2)
+    assert not d.active  # drafting did not pay: it stops
+    assert d.draft(room=10) == []
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path: Path) -> Iterator[LlamaModel]:
+    m = LlamaModel.load(tiny_path)
+    yield m
+    m.free()
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_path: Path) -> Iterator[LlamaModel]:
+    m = LlamaModel.load(qwen_path)
+    yield m
+    m.free()
+
+
+async def _outputs(
+    model: LlamaModel, speculation: str, prompts: list[list[int]], sampling: SamplingParams
+) -> tuple[list[tuple[int, ...]], Metrics]:
+    metrics = Metrics()
+    opts = EngineOptions(n_ctx=2048, n_seq_max=4, speculation=speculation)
+    e = Engine(model, opts, observer=metrics.engine_observer("m")).start()
+    try:
+        runs = [
+            e.submit(GenerationRequest(p, max_tokens=96, sampling=sampling)).collect()
+            for p in prompts
+        ]
+        done = [d for _, d in await asyncio.gather(*runs)]  # concurrent: drafts in one batch
+        return [d.tokens for d in done], metrics
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+def _counted(metrics: Metrics, name: str) -> float:
+    value = metrics.registry.get_sample_value(name, {"model": "m"})
+    return value or 0.0
+
+
+def _prompts(model: LlamaModel, chat: bool) -> list[list[int]]:
+    texts = [
+        f"Copy this file exactly:\n\n{CODE}\nThe copy:\n\n",
+        f"{CODE}\n# The same two functions again:\n",
+        "Count: one two three four five six seven eight nine ten, one two three",
+    ]
+    if chat:
+        texts = [f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n" for t in texts]
+    return [model.tokenize(t) for t in texts]
+
+
+async def test_qwen_gives_the_same_tokens_with_drafts_and_keeps_most_of_them(
+    qwen: LlamaModel,
+) -> None:
+    prompts = _prompts(qwen, chat=True)
+    plain, off = await _outputs(qwen, "off", prompts, GREEDY)
+    drafted, on = await _outputs(qwen, "ngram", prompts, GREEDY)
+    assert drafted == plain
+    assert _counted(off, "barrel_engine_draft_tokens_total") == 0
+    tried = _counted(on, "barrel_engine_draft_tokens_total")
+    kept = _counted(on, "barrel_engine_draft_accepted_tokens_total")
+    assert tried > 0
+    assert kept >= tried / 2  # copying a file: most drafts are the right tokens
+
+
+async def test_tiny_gives_the_same_tokens_with_drafts(tiny: LlamaModel) -> None:
+    # The random model never repeats itself unless told: a bias to three tokens makes
+    # its output a walk over them, so its trigrams recur, drafts come and some are wrong.
+    walk = tiny.tokenize(" red green blue", add_special=False)
+    sampling = SamplingParams(temperature=0, logit_bias={t: 30.0 for t in walk})
+    prompts = _prompts(tiny, chat=False)
+    plain, _ = await _outputs(tiny, "off", prompts, sampling)
+    drafted, on = await _outputs(tiny, "ngram", prompts, sampling)
+    assert drafted == plain
+    tried = _counted(on, "barrel_engine_draft_tokens_total")
+    kept = _counted(on, "barrel_engine_draft_accepted_tokens_total")
+    assert tried > 0
+    assert kept > 0
+
+
+async def test_rejected_drafts_leave_no_cells_behind(qwen: LlamaModel) -> None:
+    """After a generation with drafts, the sequence's KV holds exactly its tokens (the
+    prompt and every generated token but the last, never decoded), and the next turn
+    reuses all of them."""
+    (prompt, *_) = _prompts(qwen, chat=True)
+    metrics = Metrics()
+    opts = EngineOptions(n_ctx=2048, n_seq_max=2, state_cache_bytes=0, speculation="ngram")
+    e = Engine(qwen, opts, observer=metrics.engine_observer("m")).start()
+    try:
+        session = SessionId("s")
+        first = GenerationRequest(prompt, max_tokens=60, sampling=GREEDY, session=session)
+        _, done = await e.submit(first).collect()
+        tried = _counted(metrics, "barrel_engine_draft_tokens_total")
+        assert tried > _counted(metrics, "barrel_engine_draft_accepted_tokens_total") > 0
+        (slot,) = [s for s in e.kv.slots if s.session == session]
+        assert slot.tokens == [*prompt, *done.tokens[:-1]]
+        # the engine is idle: its thread waits on the inbox
+        assert ll.llama_memory_seq_pos_max(e.kv.mem, slot.seq) == len(slot.tokens) - 1
+        follow = [*prompt, *done.tokens, *qwen.tokenize("\nAgain:", add_special=False)]
+        second = GenerationRequest(follow, max_tokens=8, sampling=GREEDY, session=session)
+        _, again = await e.submit(second).collect()
+        assert again.usage.prompt_reused == len(prompt) + len(done.tokens) - 1
+    finally:
+        await asyncio.to_thread(e.stop)
