@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -207,12 +208,37 @@ def decode(data: bytes | str, source: str = "<config>") -> Config:
 def load(explicit: str | None = None) -> Config:
     path = find_config(explicit)
     if path is None:
-        return Config()
+        return fleet_settings(Config(), os.environ)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    return decode(data, str(path))
+    return fleet_settings(decode(data, str(path)), os.environ)
+
+
+# Machine-wide settings from the environment, over the file, as Ollama's are set for a
+# fleet (a systemd drop-in, a container image): Barrel's names first, Ollama's after.
+_KV_TYPE_VARS = ("BARREL_KV_CACHE_TYPE", "OLLAMA_KV_CACHE_TYPE")
+_FLASH_VARS = ("BARREL_FLASH_ATTENTION", "OLLAMA_FLASH_ATTENTION")
+
+
+def fleet_settings(config: Config, env: Mapping[str, str]) -> Config:
+    """`config` with the KV cache type and flash attention the environment sets."""
+    defaults = config.models.defaults
+    kv = next((env[v].strip().lower() for v in _KV_TYPE_VARS if env.get(v, "").strip()), None)
+    flash = next((env[v].strip().lower() for v in _FLASH_VARS if env.get(v, "").strip()), None)
+    if kv is not None:
+        if kv not in ("f16", "q8_0", "q4_0"):
+            raise ConfigError(f"{_KV_TYPE_VARS[0]}: must be f16, q8_0 or q4_0, not {kv!r}")
+        defaults = msgspec.structs.replace(defaults, kv_cache_type=kv)
+    if flash is not None:
+        words = {"1": "on", "true": "on", "on": "on", "0": "off", "false": "off"}
+        words |= {"off": "off", "auto": "auto"}
+        if flash not in words:
+            raise ConfigError(f"{_FLASH_VARS[0]}: must be 1, 0, true, false or auto")
+        defaults = msgspec.structs.replace(defaults, flash_attn=words[flash])
+    models = msgspec.structs.replace(config.models, defaults=defaults)
+    return msgspec.structs.replace(config, models=models)
 
 
 def _name_key_path(message: str) -> str:

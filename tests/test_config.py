@@ -109,3 +109,16 @@ def test_cache_root_defaults_to_user_data_dir(
     assert config.Config().cache_root == tmp_path / "barrel"
     custom = config.decode(f'[models]\ncache_root = "{tmp_path}/c"\n')
     assert custom.cache_root == tmp_path / "c"
+
+
+def test_fleet_settings_from_the_environment() -> None:
+    base = config.Config()
+    env = {"OLLAMA_KV_CACHE_TYPE": "q4_0", "OLLAMA_FLASH_ATTENTION": "1"}
+    got = config.fleet_settings(base, env).models.defaults
+    assert (got.kv_cache_type, got.flash_attn) == ("q4_0", "on")
+    env |= {"BARREL_KV_CACHE_TYPE": "Q8_0", "BARREL_FLASH_ATTENTION": "false"}
+    got = config.fleet_settings(base, env).models.defaults
+    assert (got.kv_cache_type, got.flash_attn) == ("q8_0", "off")  # Barrel's names first
+    assert config.fleet_settings(base, {"OLLAMA_KV_CACHE_TYPE": " "}) == base
+    with pytest.raises(ConfigError, match="BARREL_KV_CACHE_TYPE: must be f16, q8_0 or q4_0"):
+        config.fleet_settings(base, {"OLLAMA_KV_CACHE_TYPE": "q2"})

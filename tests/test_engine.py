@@ -617,3 +617,35 @@ async def test_prompt_logprobs_match_the_logprobs_of_the_same_tokens_generated(
             assert mine.top[0].logprob - mine.logprob < 0.1
     finally:
         e.stop()
+
+
+async def test_a_q8_0_kv_cache_holds_a_sequence_in_about_half_the_bytes(
+    model: LlamaModel, qwen_path: Path
+) -> None:
+    import llama_cpp as ll
+
+    from barrel.actors.memory import KV_BYTES
+    from barrel.engine.context import KVType
+
+    async def state_bytes(m: LlamaModel, kv_type: KVType) -> int:
+        prompt = m.tokenize("The quick brown fox jumps over the lazy dog. " * 20)
+        e = Engine(m, EngineOptions(n_ctx=1024, n_seq_max=1, kv_type=kv_type)).start()
+        try:
+            request = GenerationRequest(prompt, max_tokens=8, session=SessionId("s"))
+            _, done, _ = await generate(e, request)
+            assert done.usage.completion_tokens == 8  # it answers
+            (slot,) = e.kv.slots
+            # the engine is idle: llama.cpp's own count of the sequence's state bytes
+            return int(ll.llama_state_seq_get_size(e.ctx, slot.seq))
+        finally:
+            await asyncio.to_thread(e.stop)
+
+    qwen = LlamaModel.load(qwen_path)
+    try:
+        ratio = await state_bytes(qwen, KVType.Q8_0) / await state_bytes(qwen, KVType.F16)
+    finally:
+        qwen.free()
+    # about half, as the memory estimate (and so /api/ps) counts it
+    assert ratio == pytest.approx(KV_BYTES["q8_0"] / KV_BYTES["f16"], abs=0.05)
+    # the tiny model's heads are not whole q8_0 blocks: it falls back to f16 and serves
+    assert await state_bytes(model, KVType.Q8_0) == await state_bytes(model, KVType.F16)

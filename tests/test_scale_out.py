@@ -45,8 +45,12 @@ class Router:
         command += ["--worker-urls", *workers, "--log-level", "debug", *args]
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        self.wait_for(lambda: self.text().count("Detected backend:") >= len(workers))
-        self.wait_for(lambda: self._ready(len(workers)))
+        try:
+            self.wait_for(lambda: self.text().count("Detected backend:") >= len(workers))
+            self.wait_for(lambda: self._ready(len(workers)))
+        except BaseException:
+            self.stop()
+            raise
 
     def _ready(self, n: int) -> bool:
         try:
@@ -168,12 +172,19 @@ def test_consistent_hashing_keeps_each_session_on_one_daemon(
         router.stop()
 
 
-def test_failover_when_one_daemon_stops(
-    tmp_path_factory: pytest.TempPathFactory, tiny_path: Path, tmp_path: Path
-) -> None:
+@pytest.fixture
+def spare_pair(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> Iterator[list[Daemon]]:
+    """Two daemons of the test's own (one of them gets stopped)."""
     daemons = [
         serve_models(tmp_path_factory.mktemp(f"failover{i}"), {"tiny": tiny_path}) for i in (0, 1)
     ]
+    yield daemons
+    for d in daemons:
+        d.kill()
+
+
+def test_failover_when_one_daemon_stops(spare_pair: list[Daemon], tmp_path: Path) -> None:
+    daemons = spare_pair
     router = Router(tmp_path, [d.url for d in daemons], "--policy", "round_robin")
     results: list[int] = []
     try:
@@ -201,8 +212,6 @@ def test_failover_when_one_daemon_stops(
         assert finished(daemons[1].url) >= 3 + 12
     finally:
         router.stop()
-        for d in daemons:
-            d.kill()
 
 
 def _queue_behind(url: str, statuses: list[int]) -> list[threading.Thread]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from enum import StrEnum
@@ -14,6 +15,8 @@ import llama_cpp as ll
 
 from barrel.engine.errors import ModelLoadError
 from barrel.engine.model import LlamaModel
+
+logger = logging.getLogger(__name__)
 
 
 class KVType(StrEnum):
@@ -119,6 +122,14 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
         params.embeddings = True
         params.pooling_type = _POOLING[opts.pooling]
     ctx = ll.llama_init_from_model(model.handle, params)
+    if not ctx and opts.kv_type is not KVType.F16:
+        # A quantized KV cache needs head sizes in whole blocks (and flash attention for
+        # V): a model that cannot take it is served with f16, as Ollama does.
+        logger.warning(
+            "%s: llama.cpp refused a %s KV cache; using f16", model.path.name, opts.kv_type
+        )
+        params.type_k = params.type_v = _KV_TYPES[KVType.F16]
+        ctx = ll.llama_init_from_model(model.handle, params)
     if not ctx:
         raise ModelLoadError(f"llama.cpp could not create a context for {model.path.name}")
     if opts.embedding and ll.llama_pooling_type(ctx) == ll.LLAMA_POOLING_TYPE_NONE:

@@ -10,6 +10,7 @@ import litellm
 import pytest
 
 from tests.clients.conftest import ASK, LONG, counted
+from tests.clients.models import WHERE, City, paris
 from tests.daemon import Daemon
 from tests.tools import WEATHER
 
@@ -62,3 +63,36 @@ def test_a_forced_tool_call_is_litellms_tool_call(daemon: Daemon) -> None:
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     assert isinstance(json.loads(call.function.arguments), dict)
+
+
+@pytest.mark.parametrize("provider", ["openai", "ollama"])
+def test_model_listing_through_the_provider_endpoint(daemon: Daemon, provider: str) -> None:
+    base = daemon.url + "/v1" if provider == "openai" else daemon.url
+    listed = litellm.get_valid_models(
+        check_provider_endpoint=True, custom_llm_provider=provider, api_key="k", api_base=base
+    )
+    assert {"tiny", "qwen"} <= {name.split("/", 1)[-1] for name in listed}, listed
+
+
+def test_structured_output_with_a_pydantic_model(daemon: Daemon) -> None:
+    kw = {**_kw(daemon, "openai"), "model": "openai/qwen"}
+    r = litellm.completion(
+        messages=[{"role": "user", "content": WHERE}],
+        response_format=City,
+        max_tokens=80,
+        temperature=0,
+        **kw,
+    )
+    paris(City.model_validate_json(r.choices[0].message.content))
+
+
+@pytest.mark.parametrize("provider", ["openai", "ollama"])
+def test_embeddings(daemon: Daemon, provider: str) -> None:
+    base = daemon.url + "/v1" if provider == "openai" else daemon.url
+    r = litellm.embedding(
+        model=f"{provider}/qwen", input=["hello", "world"], api_base=base, api_key="k"
+    )
+    vectors = [d["embedding"] for d in r.data]
+    assert [len(v) for v in vectors] == [896, 896]
+    assert vectors[0] != vectors[1]
+    assert r.usage.prompt_tokens > 0
