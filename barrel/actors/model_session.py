@@ -227,4 +227,18 @@ class ModelSession:
     async def embed(
         self, inputs: list[list[int]], *, normalize: bool = True, truncate: bool = False
     ) -> list[list[float]]:
-        return await self._live().embed(inputs, normalize=normalize, truncate=truncate)
+        engine = self._live()
+        if engine.ranks:
+            raise InvalidRequest(f"model {self.name!r} is a reranker: it has no embeddings")
+        return await engine.embed(inputs, normalize=normalize, truncate=truncate)
+
+    async def rerank(self, query: str, documents: list[str]) -> tuple[list[float], int]:
+        """Each document's relevance to `query` (the model's classifier score, for a
+        model opened with `embedding=True`), and the tokens read."""
+        engine = self._live()
+        if not engine.ranks:
+            raise InvalidRequest(f"model {self.name!r} is not a reranker", param="model")
+        model = self._model
+        inputs = await asyncio.to_thread(lambda: [model.rerank_tokens(query, d) for d in documents])
+        scores = await engine.embed(inputs, normalize=False)
+        return [float(s[0]) for s in scores], sum(len(i) for i in inputs)

@@ -199,6 +199,11 @@ class Engine:
         self._pin_entries: list[tuple[_PinJob, int]] = []
         self.crashed: BaseException | None = None
         self.steps = 0  # decode steps done
+        # a reranker's pooled output is its classifier's scores, not a hidden state
+        self.ranks = bool(opts.embedding) and (
+            ll.llama_pooling_type(self.ctx) == ll.LLAMA_POOLING_TYPE_RANK
+        )
+        self._pooled = ll.llama_model_n_cls_out(model.handle) if self.ranks else model.n_embd
         # partial KV removal (rejected drafts) needs a plain attention cache
         self._speculate = (
             opts.speculation == "ngram"
@@ -722,7 +727,7 @@ class Engine:
             result = compute_embeddings(
                 self.ctx,
                 self._batch,
-                self.model.n_embd,
+                self._pooled,
                 self.options.n_seq_max,
                 cmd.inputs,
                 cmd.normalize,

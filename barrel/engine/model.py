@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass
 from enum import StrEnum
@@ -212,6 +213,28 @@ class LlamaModel:
             for t in self.tokenize(text, add_special=False, parse_special=True)
             if not self.piece(t) and self.piece(t, special=True)
         }
+
+    def rerank_tokens(self, query: str, document: str) -> list[int]:
+        """A (query, document) pair as a reranker reads it: the GGUF's rerank template
+        (`tokenizer.chat_template.rerank`, with {query} and {document}) if it has one,
+        else BOS query EOS SEP document EOS as BERT-style rerankers do. The client's
+        text is tokenized as text: it cannot spell the template's control tokens."""
+        template = self.meta("tokenizer.chat_template.rerank")
+        if template is None:
+            bos, eos = ll.llama_vocab_bos(self.vocab), ll.llama_vocab_eos(self.vocab)
+            sep = ll.llama_vocab_sep(self.vocab)
+            q = self.tokenize(query, add_special=False, parse_special=False)
+            d = self.tokenize(document, add_special=False, parse_special=False)
+            head = [bos] if bos >= 0 else []
+            return [*head, *q, eos, *([sep] if sep >= 0 else []), *d, eos]
+        out: list[int] = []
+        for i, part in enumerate(re.split(r"(\{query\}|\{document\})", template)):
+            if i % 2:
+                text = query if part == "{query}" else document
+                out += self.tokenize(text, add_special=False, parse_special=False)
+            elif part:
+                out += self.tokenize(part, add_special=i == 0, parse_special=True)
+        return out
 
     def token_id(self, text: str) -> int | None:
         """The id of a token whose text is exactly `text` (special tokens included)."""

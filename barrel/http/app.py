@@ -17,6 +17,7 @@ from barrel.http import (
     openai_completions,
     openai_models,
     openai_responses,
+    rerank,
     status,
 )
 from barrel.http.keys import CONFIG, METRICS, MODELS
@@ -50,6 +51,7 @@ def make_app(config: Config, services: Services) -> web.Application:
         openai_completions,
         openai_models,
         openai_responses,
+        rerank,
         status,
     ):
         app.router.add_routes(module.routes)

@@ -55,6 +55,7 @@ _FIM_TOKENS = {
     "<|fim_begin|>",
     "<\uff5cfim\u2581begin\uff5c>",  # DeepSeek's full-width bars
 }
+RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK: a reranker's classifier head
 ENCODER_ARCHS = {
     "bert",
     "nomic-bert",
@@ -174,7 +175,9 @@ class GGUFInfo:
     def capabilities(self) -> list[str]:
         caps = []
         template = "\n".join(self.chat_templates.values())
-        if self.is_embedding_model:
+        if self.pooling_type == RANK_POOLING:
+            caps.append("rerank")
+        elif self.is_embedding_model:
             caps.append("embedding")
         else:
             caps.append("completion")

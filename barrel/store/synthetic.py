@@ -39,6 +39,9 @@ class TinyShape:
     embed_scale: float = 0.5
     # The authors' recommended sampling (`general.sampling.<key>`), e.g. (("temp", 0.6),)
     sampling: tuple[tuple[str, float], ...] = ()
+    # A reranker instead: qwen3 with rank pooling and a yes/no classifier head (as
+    # llama.cpp converts Qwen3-Reranker), scoring p(yes) of the last token.
+    rank: bool = False
 
     def key(self) -> str:
         raw = repr(self).encode()
@@ -79,9 +82,10 @@ def write_tiny_gguf(
     def weight(*dims: int, scale: float = shape.weight_scale) -> np.ndarray:
         return (rng.standard_normal(dims, dtype=np.float32) * scale).astype(np.float16)
 
+    arch = "qwen3" if shape.rank else ARCH
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    w = gguf.GGUFWriter(tmp, ARCH)
-    w.add_name("barrel-tiny-qwen2")
+    w = gguf.GGUFWriter(tmp, arch)
+    w.add_name(f"barrel-tiny-{arch}")
     w.add_context_length(shape.n_ctx_train)
     w.add_embedding_length(shape.n_embd)
     w.add_block_count(shape.n_layer)
@@ -101,6 +105,10 @@ def write_tiny_gguf(
     w.add_pad_token_id(int(tok["tokenizer.ggml.padding_token_id"]))
     w.add_add_bos_token(bool(tok["tokenizer.ggml.add_bos_token"]))
     w.add_chat_template(str(tok["tokenizer.chat_template"]))
+    if shape.rank:
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_array(f"{arch}.classifier.output_labels", ["yes", "no"])
+        w.add_string("tokenizer.chat_template.rerank", RERANK_TEMPLATE)
     for key, value in shape.sampling:
         if float(value).is_integer() and key in ("top_k", "penalty_last_n", "mirostat"):
             w.add_int32(f"general.sampling.{key}", int(value))
@@ -114,17 +122,23 @@ def write_tiny_gguf(
         p = f"blk.{i}"
         w.add_tensor(f"{p}.attn_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
         w.add_tensor(f"{p}.attn_q.weight", weight(shape.n_embd, shape.n_embd))
-        w.add_tensor(f"{p}.attn_q.bias", np.zeros(shape.n_embd, dtype=np.float32))
         w.add_tensor(f"{p}.attn_k.weight", weight(n_embd_kv, shape.n_embd))
-        w.add_tensor(f"{p}.attn_k.bias", np.zeros(n_embd_kv, dtype=np.float32))
         w.add_tensor(f"{p}.attn_v.weight", weight(n_embd_kv, shape.n_embd))
-        w.add_tensor(f"{p}.attn_v.bias", np.zeros(n_embd_kv, dtype=np.float32))
+        if shape.rank:  # qwen3: normed q and k, no biases
+            w.add_tensor(f"{p}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            w.add_tensor(f"{p}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+        else:
+            w.add_tensor(f"{p}.attn_q.bias", np.zeros(shape.n_embd, dtype=np.float32))
+            w.add_tensor(f"{p}.attn_k.bias", np.zeros(n_embd_kv, dtype=np.float32))
+            w.add_tensor(f"{p}.attn_v.bias", np.zeros(n_embd_kv, dtype=np.float32))
         w.add_tensor(f"{p}.attn_output.weight", weight(shape.n_embd, shape.n_embd))
         w.add_tensor(f"{p}.ffn_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
         w.add_tensor(f"{p}.ffn_gate.weight", weight(shape.n_ff, shape.n_embd))
         w.add_tensor(f"{p}.ffn_up.weight", weight(shape.n_ff, shape.n_embd))
         w.add_tensor(f"{p}.ffn_down.weight", weight(shape.n_embd, shape.n_ff))
     w.add_tensor("output_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
+    if shape.rank:
+        w.add_tensor("cls.output.weight", weight(2, shape.n_embd))
     if tweak is not None:
         tweak(w, list(tokens))
     try:
@@ -138,10 +152,26 @@ def write_tiny_gguf(
     return path
 
 
+# How llama.cpp's conversion of Qwen3-Reranker lays out a (query, document) pair.
+RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the "
+    'Query and the Instruct provided. Note that the answer can only be "yes" or "no".'
+    "<|im_end|>\n<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant "
+    "passages that answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+
+
+def tiny_reranker(dest: Path | None = None) -> Path:
+    """The tiny model as a reranker (rank pooling, a yes/no head)."""
+    return tiny_model(TinyShape(rank=True), dest)
+
+
 def tiny_model(shape: TinyShape = TinyShape(), dest: Path | None = None) -> Path:
     """The cached tiny model for `shape`, built on first use."""
     directory = dest or bundled.cache_dir()
-    path = directory / f"barrel-tiny-qwen2-{shape.key()}.gguf"
+    arch = "qwen3" if shape.rank else ARCH
+    path = directory / f"barrel-tiny-{arch}-{shape.key()}.gguf"
     if path.exists():
         return path
     source = bundled.assemble("qwen2.5-coder-0.5b", dest)
