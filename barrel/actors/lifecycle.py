@@ -28,7 +28,7 @@ from barrel.actors.memory import estimate, planner
 from barrel.actors.registry import Registry
 from barrel.actors.store_actor import StoreActor
 from barrel.config import Config
-from barrel.engine.context import EngineOptions, KVType
+from barrel.engine.context import EngineOptions, KVType, LoraAdapter
 from barrel.engine.engine import Engine
 from barrel.errors import BarrelError, CallTimeout, NotFound, Unavailable
 from barrel.futures import Reply, ToLoop
@@ -132,8 +132,12 @@ class Lifecycle:
         spec = self._spec(
             str(rec.name), rec.model_path, size, rec.meta, params, rec.details(), rec.digest
         )
+        # the Modelfile's ADAPTERs, applied at load at scale 1 (a request's `lora` field
+        # may change their scales: ids in this order)
+        loras = tuple(LoraAdapter(path) for path in rec.adapter_paths)
         return dataclasses.replace(
             spec,
+            engine=dataclasses.replace(spec.engine, loras=loras),
             template=rec.template,
             system=rec.system,
             messages=tuple(rec.messages),

@@ -213,7 +213,16 @@ class ModelManager:
     async def create(self, name: str, spec: mf.Modelfile, files: dict[str, str] | None) -> str:
         """Imports are hashed into blobs, and a new model file tried in a child process,
         in a background thread; the store actor only reads the header and commits the
-        manifest. Returns the manifest digest."""
+        manifest. Returns the manifest digest. FROM a model registered with --model
+        imports its file, as `copy` does."""
+        if spec.from_ and not spec.from_.startswith("sha256") and not files:
+            try:
+                local = await bridge.call(self._catalog(), Catalog.lookup, spec.from_)
+            except NotFound:
+                pass
+            else:
+                digest = await in_background(self._import_local, local.path, name="barrel-import")
+                spec = dataclasses.replace(spec, from_=digest)
         spec = await in_background(self._import_files, spec, files, name="barrel-import")
         return str(
             await bridge.call(

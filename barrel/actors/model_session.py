@@ -91,6 +91,11 @@ class ModelSession:
         return self._live().n_ctx
 
     @property
+    def adapters(self) -> int:
+        """LoRA adapters loaded with the model (ids 0..adapters-1 of the `lora` field)."""
+        return len(self.spec.engine.loras)
+
+    @property
     def n_vocab(self) -> int:
         self._live()
         return self._model.n_vocab

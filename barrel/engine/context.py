@@ -164,6 +164,17 @@ def apply_loras(model: LlamaModel, ctx: Any, loras: tuple[LoraAdapter, ...]) -> 
     return adapters
 
 
+def set_lora_scales(ctx: Any, adapters: list[Any], scales: tuple[float, ...]) -> None:
+    """Apply `adapters` with `scales` to the context for the next decodes."""
+    n = len(adapters)
+    if not n:
+        return
+    arr = (ll.llama_adapter_lora_p_ctypes * n)(*adapters)
+    values = (ctypes.c_float * n)(*scales)
+    if ll.llama_set_adapters_lora(ctx, arr, n, values) != 0:
+        raise RuntimeError("llama.cpp refused the LoRA scales")
+
+
 class Batch:
     """A reusable llama_batch of up to `capacity` tokens, one sequence per token."""
 

@@ -13,8 +13,10 @@ steps; cancellation is seen before every step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -32,6 +34,7 @@ from barrel.engine.context import (
     apply_loras,
     effective_options,
     new_context,
+    set_lora_scales,
 )
 from barrel.engine.embed import compute_embeddings
 from barrel.engine.errors import (
@@ -144,6 +147,10 @@ class _Stop:
     pass
 
 
+# The largest LoRA scale a request may set (llama-server takes any float; a huge one
+# only makes noise).
+LORA_SCALE_MAX = 100.0
+
 # Prompt tokens per step for a request that wants their logprobs (each one's logits are
 # a vocabulary of floats: 64 x 152k x 4 bytes = 39 MB of output buffer for Qwen).
 PROMPT_LOGPROB_CHUNK = 64
@@ -176,6 +183,10 @@ class Engine:
         except BaseException:
             ll.llama_free(self.ctx)
             raise
+        # LoRA scales now set on the context, and the step each setting last ran
+        self._lora_default = tuple(lo.scale for lo in opts.loras)
+        self._lora_now = self._lora_default
+        self._lora_served: dict[tuple[float, ...], int] = {}
         cache = StateCache(
             opts.state_cache_bytes, opts.state_cache_dir, opts.state_cache_disk_bytes
         )
@@ -258,6 +269,7 @@ class Engine:
                 tokens=len(req.prompt),
                 limit=self.n_ctx,
             )
+        req = self._with_lora(req)
         # Built in the caller's thread (it needs the vocabulary only): a bad grammar fails
         # the request before it is queued.
         sampler = Sampler(self.model, req.sampling, self.n_ctx)
@@ -269,6 +281,37 @@ class Engine:
                 raise EngineStopped(f"engine {self.name} is not running", retry_after=1.0)
             self._inbox.put(_Submit(Run(rid, req, s, sampler)))
         return s
+
+    def _with_lora(self, req: GenerationRequest) -> GenerationRequest:
+        """`req` with its LoRA scales checked, and a KV scope of their own when they
+        differ from the load-time scales (cells computed under other adapters are not
+        this request's)."""
+        if req.lora is None:
+            return req
+        n = len(self._lora_default)
+        if len(req.lora) != n:
+            raise InvalidRequest(f"lora: this model has {n} adapters", param="lora")
+        if any(not math.isfinite(s) or abs(s) > LORA_SCALE_MAX for s in req.lora):
+            raise InvalidRequest(
+                f"lora: scales must be finite, at most {LORA_SCALE_MAX:g} in size", param="lora"
+            )
+        if req.lora == self._lora_default:
+            return dataclasses.replace(req, lora=None)
+        tag = ",".join(f"{s:g}" for s in req.lora)
+        return dataclasses.replace(req, scope=f"{req.scope}|lora={tag}")
+
+    def _lora_of(self, run: Run) -> tuple[float, ...]:
+        return run.req.lora if run.req.lora is not None else self._lora_default
+
+    def _step_lora(self) -> tuple[float, ...]:
+        """The LoRA scales of this step: the setting that has waited longest among the
+        runnable sequences (pinned prefixes are computed under the load-time scales)."""
+        wanted = {self._lora_of(r) for r in self._active if self._runnable(r)}
+        if self._pinning:
+            wanted.add(self._lora_default)
+        if not wanted or wanted == {self._lora_now}:
+            return self._lora_now
+        return min(wanted, key=lambda scales: self._lora_served.get(scales, -1))
 
     def cancel(self, request_id: RequestId) -> None:
         self._inbox.put(_Cancel(request_id))
@@ -486,10 +529,17 @@ class Engine:
         b = self._batch
         b.clear()
         entries: list[Entry] = []
+        lora = self._step_lora()
+        if lora != self._lora_now:
+            set_lora_scales(self.ctx, self._loras, lora)
+            self._lora_now = lora
+        self._lora_served[lora] = self.steps
         for run in self._active:
             run.logit_rows.clear()  # a rebuilt batch (KV full) must not count rows twice
         for run in self._active:
             if run.prefilling or run.pending is None or not self._runnable(run):
+                continue
+            if self._lora_of(run) != lora:
                 continue
             if b.n >= b.capacity:
                 break
@@ -503,7 +553,7 @@ class Engine:
         if entries:
             budget = min(budget, self.options.prefill_chunk)
         for run in self._active:
-            if not run.prefilling or budget <= 0:
+            if not run.prefilling or budget <= 0 or self._lora_of(run) != lora:
                 continue
             assert run.slot is not None
             prompt = run.req.prompt
@@ -523,7 +573,7 @@ class Engine:
             budget -= take
         self._pin_entries = []
         for job in self._pinning:
-            if budget <= 0:
+            if budget <= 0 or lora != self._lora_default:
                 break
             take = min(len(job.tokens) - job.n_past, budget)
             for pos in range(job.n_past, job.n_past + take):

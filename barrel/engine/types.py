@@ -70,6 +70,10 @@ class GenerationRequest:
     # Log-probabilities of the prompt's tokens (each given those before it), in `Done`:
     # the whole prompt is computed (no KV reuse), with sampling.logprobs top entries.
     prompt_logprobs: bool = False
+    # LoRA scales, one per adapter the engine loaded (None: their load-time scales).
+    # Sequences of different scales never share a decode step (llama.cpp sets adapters
+    # per context), nor KV cells.
+    lora: tuple[float, ...] | None = None
 
 
 class FinishReason(StrEnum):

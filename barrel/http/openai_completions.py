@@ -22,11 +22,12 @@ from barrel.actors.model_session import ModelSession
 from barrel.config import LimitsConfig
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import new_id
-from barrel.http.codecs.openai_common import Knobs, check_knobs, include_usage
+from barrel.http.codecs.openai_common import Knobs, check_knobs, include_usage, lora_of
 from barrel.http.generate import merged, scope_of
 from barrel.http.keys import CONFIG
 from barrel.http.openai_common import decode, leased, sampling_for, stream_failed, unqueued
 from barrel.http.sse import SseWriter
+from barrel.pipeline.generate import lora_scales
 from barrel.pipeline.types import Delta, Done, GenerationRequest, TokenLogprob, Usage
 
 routes = web.RouteTableDef()
@@ -181,6 +182,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             if body.max_tokens is None and session.spec.parameters.get("num_predict") is None:
                 max_tokens = DEFAULT_MAX_TOKENS
             scoring = body.echo and body.logprobs is not None
+            lora = lora_scales(lora_of(body), session.adapters)
             reqs = [
                 GenerationRequest(
                     p,
@@ -189,6 +191,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     stop=stop,
                     prompt_logprobs=scoring,
                     scope=scope_of(request),
+                    lora=lora,
                 )
                 for p in prompts
                 for _ in range(body.n)

@@ -66,6 +66,7 @@ class ChatRequest:
     # pin the prompt up to the end of this many leading messages (a cache breakpoint);
     # 0: the system + tools head
     pin_messages: int = 0
+    lora: tuple[float, ...] | None = None  # GenerationRequest.lora
 
 
 @dataclass(frozen=True)
@@ -376,6 +377,7 @@ async def run(
             session=req.session,
             scope=req.scope,
             preserve=prep.preserve,
+            lora=req.lora,
         )
         text = ""
         thought: Done | None = None
@@ -411,6 +413,7 @@ async def run(
         session=req.session,
         scope=req.scope,
         preserve=prep.preserve,
+        lora=req.lora,
     )
     stream = engine.submit(gen)
     calls = 0

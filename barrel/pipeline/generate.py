@@ -52,6 +52,9 @@ class ModelAccess(Protocol):
     @property
     def n_ctx(self) -> int: ...
 
+    @property
+    def adapters(self) -> int: ...
+
     def sampling(
         self, dialect: Dialect, options: dict[str, Any]
     ) -> tuple[SamplingParams, int | None, tuple[str, ...]]: ...
@@ -257,6 +260,7 @@ async def _prepared(
         keep_alive=req.keep_alive,
         template_kwargs=kwargs,
         pin_messages=before + req.pin_messages if req.pin_messages else 0,
+        lora=lora_scales(req.lora, session.adapters),
     )
     prep = await session.prepare(chat, template)
     grammar_bytes = len(prep.grammar or "")
@@ -276,6 +280,22 @@ async def _prepared(
 
 # Ollama keeps the first tokens of a prompt that does not fit (its num_keep default).
 NUM_KEEP = 4
+
+
+def lora_scales(
+    pairs: tuple[tuple[int, float], ...] | None, adapters: int
+) -> tuple[float, ...] | None:
+    """llama-server's `lora` field as one scale per adapter (those not named: 0)."""
+    if pairs is None:
+        return None
+    scales = [0.0] * adapters
+    for adapter, scale in pairs:
+        if not 0 <= adapter < adapters:
+            raise InvalidRequest(
+                f"lora: no adapter {adapter}; this model has {adapters}", param="lora"
+            )
+        scales[adapter] = scale
+    return tuple(scales)
 
 
 def _fit(prep: Prepared, n_ctx: int, max_tokens: int | None) -> Prepared:

@@ -146,4 +146,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     scope: str = ""
     # pin the prompt up to the end of this many request messages (a cache breakpoint)
     pin_messages: int = 0
+    # llama-server's per-request LoRA: (adapter id, scale) pairs; adapters not named get
+    # scale 0. None: the model's adapters at their load-time scales.
+    lora: tuple[tuple[int, float], ...] | None = None
     raw: RawPrompt | None = None

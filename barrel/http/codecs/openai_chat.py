@@ -29,6 +29,7 @@ from barrel.http.codecs.openai_common import (
     error_frame,
     include_usage,
     logit_bias_of,
+    lora_of,
     options_of,
     progress,
     token_logprobs,
@@ -271,6 +272,7 @@ def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest
         reasoning_effort=body.reasoning_effort,
         template_kwargs=body.chat_template_kwargs or {},
         conversation=conversation or body.prompt_cache_key,
+        lora=lora_of(body),
     ), body
 
 

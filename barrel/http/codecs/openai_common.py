@@ -18,6 +18,23 @@ MAX_N = 8  # choices per request (each one is a sequence of the engine)
 MAX_TOP_LOGPROBS = 20
 
 
+class LoraEntry(msgspec.Struct, forbid_unknown_fields=True):
+    id: int
+    scale: float = 0.0
+
+
+MAX_LORA_ENTRIES = 64
+
+
+def lora_of(k: Knobs) -> tuple[tuple[int, float], ...] | None:
+    """The request's (adapter id, scale) pairs, None when it names none."""
+    if k.lora is None:
+        return None
+    if len(k.lora) > MAX_LORA_ENTRIES:
+        raise InvalidRequest(f"lora: at most {MAX_LORA_ENTRIES} entries", param="lora")
+    return tuple((e.id, e.scale) for e in k.lora)
+
+
 class Knobs(msgspec.Struct, kw_only=True):
     """Fields chat completions, completions and responses have in common. Unknown fields
     are ignored, as OpenAI-compatible servers do (store, metadata, service_tier, ...)."""
@@ -40,6 +57,8 @@ class Knobs(msgspec.Struct, kw_only=True):
     stream_options: dict[str, Any] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    # llama-server's per-request LoRA adapters: [{id, scale}], the others at scale 0
+    lora: list[LoraEntry] | None = None
 
 
 B = TypeVar("B", bound=msgspec.Struct)
