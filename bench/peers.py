@@ -1,0 +1,238 @@
+"""Barrel against llama.cpp's own llama-server, side by side in one run, through HTTP
+with the same client, on Qwen2.5-Coder-0.5B Q4_K_M.
+
+    .venv/bin/python -m bench.peers [--rounds 3] [--tokens 128]
+
+llama-server is built once from the llama.cpp vendored in the pinned llama-cpp-python
+sdist (cmake and a C++ compiler needed; cached under the models cache). It is a
+measuring stick, never a dependency. Both servers get the same model file, a 4096-token
+context and 8 parallel sequences; requests are greedy and streamed. Rounds alternate
+(barrel, llama-server, barrel, ...) after a warm-up each; medians are compared:
+
+- aggregate tokens/s at 1, 4 and 8 concurrent streams;
+- the time to first token of a follow-up turn in a ~1,500-token conversation;
+- a code edit (the answer repeats most of a given file), one stream, tokens/s; against
+  llama-server without and with its n-gram speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from barrel.store import bundled
+
+LLAMA_CPP_PYTHON = "0.3.36"
+CTX = 4096
+PARALLEL = 8
+FILE = "\n\n".join(
+    f'''def shape_{i}(width, height):
+    """Area and perimeter of rectangle number {i}."""
+    area = width * height
+    perimeter = 2 * (width + height)
+    return area, perimeter'''
+    for i in range(8)
+)
+CODE_EDIT = (
+    "Rename the parameter width to w everywhere in this file and print the whole file:"
+    f"\n\n```python\n{FILE}\n```"
+)
+
+
+def llama_server() -> Path:
+    """The cached llama-server binary, built on first use."""
+    home = bundled.cache_dir() / f"llama-server-{LLAMA_CPP_PYTHON}"
+    binary = home / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise SystemExit(
+            "bench.peers builds llama-server with cmake: install it (pip install cmake)"
+        )
+    home.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [
+                *(sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"),
+                *("--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp),
+            ],
+            check=True,
+        )
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        (source,) = Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp")
+        shutil.copytree(source, home / "src", dirs_exist_ok=True)
+    flags = ["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+    flags += ["-DLLAMA_BUILD_SERVER=ON", "-DCMAKE_BUILD_TYPE=Release"]
+    subprocess.run([cmake, "-S", str(home / "src"), "-B", str(home / "build"), *flags], check=True)
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(
+        [cmake, "--build", str(home / "build"), "--target", "llama-server", "-j", jobs],
+        check=True,
+    )
+    return binary
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_barrel(tmp: Path, model: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    config = tmp / "barrel.toml"
+    config.write_text(
+        f'[server]\naccess_log = false\n[models]\ncache_root = "{tmp}"\n'
+        f"max_context_size = {CTX}\n[models.defaults]\nnum_seq_max = {PARALLEL}\n"
+    )
+    command = [sys.executable, "-m", "barrel", "serve", "--port", str(port)]
+    command += ["--config", str(config), "--model", f"qwen={model}"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_llama_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    command = [str(llama_server()), "-m", str(model), "--port", str(port)]
+    command += ["-c", str(CTX * PARALLEL), "-np", str(PARALLEL), "--jinja", *extra]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(url + "/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} did not become ready")
+
+
+async def stream(
+    session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], tokens: int
+) -> tuple[float, int, float, str]:
+    """(time to first content, content chunks, end time, text) of one streamed chat."""
+    body = {"model": "qwen", "messages": messages, "temperature": 0, "max_tokens": tokens}
+    body |= {"stream": True}
+    start = time.perf_counter()
+    first, chunks, text = 0.0, 0, ""
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            piece = (choices[0].get("delta") or {}).get("content") or ""
+            if piece:
+                first = first or time.perf_counter() - start
+                chunks += 1
+                text += piece
+    return first, chunks, time.perf_counter(), text
+
+
+async def throughput(session: aiohttp.ClientSession, url: str, clients: int, n: int) -> float:
+    asks = [
+        [{"role": "user", "content": f"Client {i}: write the numbers 1 to 200 in words."}]
+        for i in range(clients)
+    ]
+    start = time.perf_counter()
+    results = await asyncio.gather(*(stream(session, url, m, n) for m in asks))
+    return sum(r[1] for r in results) / (max(r[2] for r in results) - start)
+
+
+async def follow_up_ttft(session: aiohttp.ClientSession, url: str, round_no: int) -> float:
+    """A ~1,500-token conversation, answered turn by turn; the last turn's TTFT."""
+    notes = " ".join(f"Fact {round_no}.{k}: item {k} costs {k * 3} coins." for k in range(120))
+    messages = [{"role": "system", "content": f"You keep a ledger. {notes}"}]
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"What does item {turn * 7} cost?"})
+        _, _, _, answer = await stream(session, url, messages, 24)
+        messages.append({"role": "assistant", "content": answer})
+    messages.append({"role": "user", "content": "And item 50?"})
+    first, _, _, _ = await stream(session, url, messages, 4)
+    return first
+
+
+async def code_edit(session: aiohttp.ClientSession, url: str, n: int) -> float:
+    start = time.perf_counter()
+    _, chunks, end, _ = await stream(session, url, [{"role": "user", "content": CODE_EDIT}], n)
+    return chunks / (end - start)
+
+
+async def measure(args: argparse.Namespace) -> None:
+    model = bundled.assemble("qwen2.5-coder-0.5b")
+    llama_server()  # build before timing anything
+    timeout = aiohttp.ClientTimeout(total=900)
+    results: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = {
+            "barrel": start_barrel(Path(tmp), model),
+            "llama-server": start_llama_server(model),
+            "llama-server+ngram": start_llama_server(model, "--spec-type", "ngram-simple"),
+        }
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                for _, url in servers.values():
+                    await wait_ready(session, url)
+                    await throughput(session, url, 1, 8)  # warm-up (Barrel loads the model)
+                for r in range(args.rounds):
+                    for name, (_, url) in servers.items():
+                        res = results.setdefault(name, {})
+                        if name != "llama-server+ngram":
+                            for clients in (1, 4, 8):
+                                rate = await throughput(session, url, clients, args.tokens)
+                                res.setdefault(f"{clients} streams tok/s", []).append(rate)
+                            ttft = await follow_up_ttft(session, url, r)
+                            res.setdefault("follow-up TTFT ms", []).append(ttft * 1000)
+                        rate = await code_edit(session, url, 256)
+                        res.setdefault("code edit tok/s", []).append(rate)
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(timeout=60)
+    base, ours = results["llama-server"], results["barrel"]
+    for key in ours:
+        b, o = statistics.median(base[key]), statistics.median(ours[key])
+        print(f"{key:>22}: barrel {o:8.1f}  llama-server {b:8.1f}  ratio {o / b:.2f}x")
+    spec = statistics.median(results["llama-server+ngram"]["code edit tok/s"])
+    o = statistics.median(ours["code edit tok/s"])
+    label = "code edit vs +ngram"
+    print(f"{label:>22}: barrel {o:8.1f}  llama-server {spec:8.1f}  ratio {o / spec:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--build-only", action="store_true")
+    args = parser.parse_args()
+    if args.build_only:
+        print(llama_server())
+        return
+    asyncio.run(measure(args))
+
+
+if __name__ == "__main__":
+    main()
