@@ -132,24 +132,28 @@ async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
 async def stream(
     session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], tokens: int
 ) -> tuple[float, int, float, str]:
-    """(time to first content, content chunks, end time, text) of one streamed chat."""
+    """(time to first content, tokens, end time, text) of one streamed chat: the tokens
+    from the last chunk's usage (a speculating server sends several a chunk), else the
+    content chunks."""
     body = {"model": "qwen", "messages": messages, "temperature": 0, "max_tokens": tokens}
-    body |= {"stream": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, chunks, text = 0.0, 0, ""
+    first, chunks, text, used = 0.0, 0, "", 0
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data: {"):
                 continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
+            frame = json.loads(line[6:])
+            used = (frame.get("usage") or {}).get("completion_tokens") or used
+            choices = frame.get("choices") or [{}]
             piece = (choices[0].get("delta") or {}).get("content") or ""
             if piece:
                 first = first or time.perf_counter() - start
                 chunks += 1
                 text += piece
-    return first, chunks, time.perf_counter(), text
+    return first, used or chunks, time.perf_counter(), text
 
 
 async def throughput(session: aiohttp.ClientSession, url: str, clients: int, n: int) -> float:
@@ -193,7 +197,9 @@ async def measure(args: argparse.Namespace) -> None:
             "llama-server+ngram": start_llama_server(model, "--spec-type", "ngram-simple"),
         }
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session:
+            # a new connection per request: llama-server drops idle keep-alive ones
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
                 for _, url in servers.values():
                     await wait_ready(session, url)
                     await throughput(session, url, 1, 8)  # warm-up (Barrel loads the model)

@@ -21,6 +21,7 @@ from barrel.engine.model import LlamaModel
 from barrel.engine.types import GenerationRequest, SamplingParams
 from barrel.metrics import Metrics
 from barrel.store import bundled
+from bench.http import prompt_of
 
 FILE = "\n\n".join(
     f'''def shape_{i}(width, height):
@@ -31,14 +32,10 @@ FILE = "\n\n".join(
     for i in range(8)
 )
 WORKLOADS = {
-    "code edit": f"Rename the parameter width to w everywhere in this file and print the "
+    "code edit": "Rename the parameter width to w everywhere in this file and print the "
     f"whole file:\n\n```python\n{FILE}\n```",
     "free answer": "Explain in a few paragraphs how a hash map handles collisions.",
 }
-
-
-def chat(text: str) -> str:
-    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
 async def one_round(engine: Engine, prompt: list[int], tokens: int) -> tuple[int, float]:
@@ -53,6 +50,7 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--draft-max", type=int, default=EngineOptions.draft_max)
+    parser.add_argument("--ngram", type=int, default=EngineOptions.draft_ngram)
     args = parser.parse_args()
     model = LlamaModel.load(bundled.assemble("qwen2.5-coder-0.5b"))
     metrics = {mode: Metrics() for mode in ("off", "ngram")}
@@ -64,6 +62,7 @@ async def main() -> None:
                 n_seq_max=1,
                 speculation=mode,
                 draft_max=args.draft_max,
+                draft_ngram=args.ngram,
                 state_cache_bytes=0,
             ),
             observer=metrics[mode].engine_observer(mode),
@@ -79,7 +78,7 @@ async def main() -> None:
         for name, text in WORKLOADS.items():
             tried0 = counted("barrel_engine_draft_tokens_total")
             kept0 = counted("barrel_engine_draft_accepted_tokens_total")
-            prompt = model.tokenize(chat(text))
+            prompt = prompt_of(model, [{"role": "user", "content": text}])  # as HTTP renders
             rates: dict[str, list[float]] = {"off": [], "ngram": []}
             for r in range(args.rounds + 1):
                 for mode, engine in engines.items():

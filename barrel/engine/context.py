@@ -75,10 +75,9 @@ class EngineOptions:
     loras: tuple[LoraAdapter, ...] = ()
     # Prompt-lookup speculative decoding (barrel.engine.speculate): "ngram" or "off";
     # at most `draft_max` draft tokens a step, matched on the last `draft_ngram` tokens.
-    # Off by default: on CPUs it pays on copy-heavy answers only (guides/performance.md).
-    speculation: str = "off"
-    draft_max: int = 8
-    draft_ngram: int = 3
+    speculation: str = "ngram"
+    draft_max: int = 48
+    draft_ngram: int = 12
     # A sequence whose grammar takes longer than this to sample one token ends with an
     # error (it would stall the whole batch); 0: no limit.
     grammar_sample_s: float = 0.0
