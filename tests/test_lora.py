@@ -103,21 +103,25 @@ def daemon(
     tmp_path_factory: pytest.TempPathFactory, tiny_path: Path, lora: Path
 ) -> Iterator[Daemon]:
     d = serve_models(tmp_path_factory.mktemp("lora-daemon"), {"tiny": tiny_path})
-    data = lora.read_bytes()
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    r = httpx.post(f"{d.url}/api/blobs/{digest}", content=data, timeout=60)
-    assert r.status_code in (200, 201), r.text
-    r = httpx.post(
-        d.url + "/api/create",
-        json={
-            "model": "tiny-lora",
-            "from": "tiny",
-            "adapters": {"tiny-lora.gguf": digest},
-            "stream": False,
-        },
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
+    try:
+        data = lora.read_bytes()
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        r = httpx.post(f"{d.url}/api/blobs/{digest}", content=data, timeout=60)
+        assert r.status_code in (200, 201), r.text
+        r = httpx.post(
+            d.url + "/api/create",
+            json={
+                "model": "tiny-lora",
+                "from": "tiny",
+                "adapters": {"tiny-lora.gguf": digest},
+                "stream": False,
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+    except BaseException:
+        d.kill()
+        raise
     yield d
     d.kill()
 
