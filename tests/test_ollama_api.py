@@ -133,6 +133,28 @@ def test_tools_give_tool_calls(client: ollama.Client) -> None:
     assert call.function.arguments["city"] == "Paris"
 
 
+def test_generate_context_holds_the_answer_and_continues_the_conversation(
+    client: ollama.Client, vocab: LlamaModel
+) -> None:
+    first = client.generate(
+        model="qwen", prompt="Pick a colour and say only its name.", options=GREEDY
+    )
+    context = list(first.context or [])
+    # the prompt and the answer (its end-of-turn token left out), as Ollama returns it
+    assert len(context) == first.prompt_eval_count + first.eval_count - 1
+    answer = vocab.detokenize(context[first.prompt_eval_count :])
+    assert answer.strip() == first.response.strip()
+    # sent back, the next turn sees the answer: the model can repeat it
+    second = client.generate(
+        model="qwen",
+        prompt="Which colour did you pick? Say only its name.",
+        context=context,
+        options=GREEDY,
+    )
+    assert first.response.strip().lower().rstrip(".") in second.response.lower()
+    assert second.prompt_eval_count > len(context)
+
+
 def test_preload_and_unload_show_in_ps(client: ollama.Client) -> None:
     r = client.generate(model="tiny", prompt="", keep_alive="1m")
     assert (r.done, r.done_reason) == (True, "load")

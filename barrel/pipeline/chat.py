@@ -96,6 +96,9 @@ class Finished:
     decode_s: float = 0.0
     stop_sequence: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # those not yet attached to a TextDelta
+    # the whole sequence: the prompt (with any reasoning step) and the answer's tokens,
+    # an end-of-generation token left out (Ollama's /api/generate `context`)
+    context: tuple[int, ...] = ()
 
 
 ChatEvent = TextDelta | ReasoningDelta | ToolCallEvent | Finished
@@ -453,6 +456,9 @@ async def run(
     # clients check for exactly that.
     cut = done.finish_reason.value == "length"
     reason = "tool_calls" if calls and not cut else done.finish_reason.value
+    answer = done.tokens
+    if done.finish_reason.value == "stop" and done.stop_sequence is None and answer:
+        answer = answer[:-1]  # the end-of-generation token, never part of the sequence
     yield Finished(
         reason,
         usage,
@@ -460,6 +466,7 @@ async def run(
         done.timings.decode_s,
         done.stop_sequence,
         tuple(pending),
+        (*prompt, *answer),
     )
 
 

@@ -334,7 +334,8 @@ class OllamaEncoder:
             }
         )
         if not self.chat:
-            body["context"] = list(b.prompt)
+            # the prompt and the answer: sent back, it continues this conversation
+            body["context"] = list(fin.context or b.prompt)
         return body
 
     def end(self) -> list[Frame]:
