@@ -94,6 +94,11 @@ async def test_bad_scales_are_refused_before_queueing(model: LlamaModel, lora: P
         for scales in ((1.0, 1.0), (float("nan"),), (1e9,)):
             with pytest.raises(InvalidRequest):
                 e.submit(GenerationRequest(prompt, GREEDY, max_tokens=2, lora=scales))
+        # a client choosing a new setting each time leaves no trail behind in the engine
+        for i in range(40):
+            request = GenerationRequest(prompt, GREEDY, max_tokens=2, lora=(i / 40,))
+            await e.submit(request).collect()
+        assert len(e._lora_served) <= 2
     finally:
         await asyncio.to_thread(e.stop)
 

@@ -309,6 +309,8 @@ class Engine:
         wanted = {self._lora_of(r) for r in self._active if self._runnable(r)}
         if self._pinning:
             wanted.add(self._lora_default)
+        if self._lora_served.keys() - wanted:  # clients choose the scales: keep it bounded
+            self._lora_served = {k: v for k, v in self._lora_served.items() if k in wanted}
         if not wanted or wanted == {self._lora_now}:
             return self._lora_now
         return min(wanted, key=lambda scales: self._lora_served.get(scales, -1))
