@@ -148,17 +148,19 @@ def start_daemon(tmp: Path, path: Path, clients: int) -> tuple[subprocess.Popen[
     return proc, f"http://127.0.0.1:{port}"
 
 
-async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
-    deadline = time.monotonic() + 60
+async def wait_ready(
+    session: aiohttp.ClientSession, url: str, path: str = "/health/ready", timeout: float = 60
+) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            async with session.get(url + "/health/ready") as resp:
+            async with session.get(url + path) as resp:
                 if resp.status == 200:
                     return
         except aiohttp.ClientError:
             pass
         await asyncio.sleep(0.2)
-    raise RuntimeError("the daemon did not become ready")
+    raise RuntimeError(f"{url} did not become ready")
 
 
 async def main() -> None:

@@ -33,9 +33,9 @@ from pathlib import Path
 import aiohttp
 
 from barrel.store import bundled
+from bench.http import CTX, start_daemon, wait_ready
 
 LLAMA_CPP_PYTHON = "0.3.36"
-CTX = 4096
 PARALLEL = 8
 FILE = "\n\n".join(
     f'''def shape_{i}(width, height):
@@ -95,38 +95,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_barrel(tmp: Path, model: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    config = tmp / "barrel.toml"
-    config.write_text(
-        f'[server]\naccess_log = false\n[models]\ncache_root = "{tmp}"\n'
-        f"max_context_size = {CTX}\n[models.defaults]\nnum_seq_max = {PARALLEL}\n"
-    )
-    command = [sys.executable, "-m", "barrel", "serve", "--port", str(port)]
-    command += ["--config", str(config), "--model", f"qwen={model}"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}"
-
-
 def start_llama_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [str(llama_server()), "-m", str(model), "--port", str(port)]
     command += ["-c", str(CTX * PARALLEL), "-np", str(PARALLEL), "--jinja", *extra]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}"
-
-
-async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            async with session.get(url + "/health") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} did not become ready")
 
 
 async def stream(
@@ -192,7 +166,7 @@ async def measure(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         servers = {
-            "barrel": start_barrel(Path(tmp), model),
+            "barrel": start_daemon(Path(tmp), model, PARALLEL),
             "llama-server": start_llama_server(model),
             "llama-server+ngram": start_llama_server(model, "--spec-type", "ngram-simple"),
         }
@@ -200,8 +174,9 @@ async def measure(args: argparse.Namespace) -> None:
             # a new connection per request: llama-server drops idle keep-alive ones
             connector = aiohttp.TCPConnector(force_close=True)
             async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-                for _, url in servers.values():
-                    await wait_ready(session, url)
+                for name, (_, url) in servers.items():
+                    ready = "/health/ready" if name == "barrel" else "/health"
+                    await wait_ready(session, url, ready, timeout=120)
                     await throughput(session, url, 1, 8)  # warm-up (Barrel loads the model)
                 for r in range(args.rounds):
                     for name, (_, url) in servers.items():

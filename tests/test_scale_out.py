@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,14 +103,26 @@ def finished(url: str) -> float:
     )
 
 
+@contextmanager
+def two_daemons(
+    factory: pytest.TempPathFactory, name: str, models: dict[str, Path], config: str = ""
+) -> Iterator[list[Daemon]]:
+    """Two `barrel serve` daemons, both killed at the end (also when the second fails
+    to start)."""
+    daemons: list[Daemon] = []
+    try:
+        for i in (0, 1):
+            daemons.append(serve_models(factory.mktemp(f"{name}{i}"), models, config))
+        yield daemons
+    finally:
+        for d in daemons:
+            d.kill()
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> Iterator[list[Daemon]]:
-    daemons = [
-        serve_models(tmp_path_factory.mktemp(f"worker{i}"), {"tiny": tiny_path}) for i in (0, 1)
-    ]
-    yield daemons
-    for d in daemons:
-        d.kill()
+    with two_daemons(tmp_path_factory, "worker", {"tiny": tiny_path}) as daemons:
+        yield daemons
 
 
 def test_smg_identifies_barrel_and_reads_its_load(pair: list[Daemon], tmp_path: Path) -> None:
@@ -175,12 +188,8 @@ def test_consistent_hashing_keeps_each_session_on_one_daemon(
 @pytest.fixture
 def spare_pair(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> Iterator[list[Daemon]]:
     """Two daemons of the test's own (one of them gets stopped)."""
-    daemons = [
-        serve_models(tmp_path_factory.mktemp(f"failover{i}"), {"tiny": tiny_path}) for i in (0, 1)
-    ]
-    yield daemons
-    for d in daemons:
-        d.kill()
+    with two_daemons(tmp_path_factory, "failover", {"tiny": tiny_path}) as daemons:
+        yield daemons
 
 
 def test_failover_when_one_daemon_stops(spare_pair: list[Daemon], tmp_path: Path) -> None:
@@ -309,17 +318,9 @@ def test_queued_and_running_counts_during_a_held_slot(solo: Daemon) -> None:
 
 @pytest.fixture(scope="module")
 def busy_pair(tmp_path_factory: pytest.TempPathFactory, qwen_path: Path) -> Iterator[list[Daemon]]:
-    daemons = [
-        serve_models(
-            tmp_path_factory.mktemp(f"busy{i}"),
-            {"qwen": qwen_path},
-            "[models.defaults]\nnum_seq_max = 1\nqueue_depth = 4",
-        )
-        for i in (0, 1)
-    ]
-    yield daemons
-    for d in daemons:
-        d.kill()
+    one_slot = "[models.defaults]\nnum_seq_max = 1\nqueue_depth = 4"
+    with two_daemons(tmp_path_factory, "busy", {"qwen": qwen_path}, one_slot) as daemons:
+        yield daemons
 
 
 def test_load_aware_routing_avoids_the_daemon_whose_slot_is_held(
