@@ -116,6 +116,7 @@ class LiveStats:
         self.token_times: deque[float] = deque(maxlen=8192)
         self.active = 0
         self.kv_cells = 0
+        self.busy_cells = 0  # those of running sequences
         self.reused = 0
         self.computed = 0
         self.generated = 0
@@ -205,10 +206,10 @@ class EngineMetrics:
     def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
         self._step.observe(seconds)
 
-    def occupancy(self, active: int, kv_cells: int) -> None:
+    def occupancy(self, active: int, kv_cells: int, busy_cells: int) -> None:
         self._active.set(active)
         self._kv.set(kv_cells)
-        self.live.active, self.live.kv_cells = active, kv_cells
+        self.live.active, self.live.kv_cells, self.live.busy_cells = active, kv_cells, busy_cells
 
     def drafted(self, drafted: int, accepted: int) -> None:
         self._drafted.inc(drafted)
@@ -293,7 +294,9 @@ class ModelServerCollector(Collector):
         )
         for model, queued, n_ctx in self._loaded:
             live = self.live.get(model)
-            active, cells = (live.active, live.kv_cells) if live else (0, 0)
+            # running sequences' cells: parked conversations and pinned prefixes give
+            # way to new work, as vLLM's free prefix-cache blocks do
+            active, cells = (live.active, live.busy_cells) if live else (0, 0)
             share = min(1.0, cells / n_ctx) if n_ctx > 0 else 0.0
             waiting.add_metric([model], queued)
             running.add_metric([model], active)

@@ -162,9 +162,9 @@ class _PinAfterFirstRequest:
         if self.inner is not None:
             self.inner.first_token(seconds)
 
-    def occupancy(self, active: int, kv_cells: int) -> None:
+    def occupancy(self, active: int, kv_cells: int, busy_cells: int) -> None:
         if self.inner is not None:
-            self.inner.occupancy(active, kv_cells)
+            self.inner.occupancy(active, kv_cells, busy_cells)
 
     def inter_token(self, seconds: float) -> None:
         if self.inner is not None:

@@ -72,13 +72,13 @@ class EngineObserver(Protocol):
     def drafted(self, drafted: int, accepted: int) -> None:
         """Speculative decoding: draft tokens verified in a step, and how many were kept."""
 
-    def occupancy(self, active: int, kv_cells: int) -> None:
+    def occupancy(self, active: int, kv_cells: int, busy_cells: int) -> None:
         """After every turn of the loop that did work, decoded or not (a cancelled
-        sequence ends without a decode)."""
+        sequence ends without a decode). `busy_cells`: those of running sequences."""
 
 
 class _NoObserver:
-    def occupancy(self, active: int, kv_cells: int) -> None:
+    def occupancy(self, active: int, kv_cells: int, busy_cells: int) -> None:
         pass
 
     def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
@@ -523,7 +523,7 @@ class Engine:
                         self._verify_draft(run, index, seq)
             self._advance_pins()
             self.observer.step(self._batch.n, len(self._active), self.kv.kv_cells(), elapsed)
-        self.observer.occupancy(len(self._active), self.kv.kv_cells())
+        self.observer.occupancy(len(self._active), self.kv.kv_cells(), self.kv.busy_cells())
         self._flush()
 
     def _fill_batch(self) -> list[Entry]:

@@ -38,6 +38,10 @@ class SlotManager:
     def kv_cells(self) -> int:
         return sum(len(s.tokens) for s in self.slots + self.pins)
 
+    def busy_cells(self) -> int:
+        """Cells of the sequences running now (parked ones and pins give way on demand)."""
+        return sum(len(s.tokens) for s in self.slots if s.busy)
+
     def pin_slot(self, tokens: list[int], scope: str = "") -> Slot | None:
         """The pin sequence to (re)fill with `tokens`: None if one already holds them.
         The least recently used pin is replaced."""
