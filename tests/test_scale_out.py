@@ -106,6 +106,32 @@ def ps_context(daemon: Daemon, model: str) -> int:
     return int(entry["context_length"])
 
 
+def scraped(url: str) -> Any:
+    """A check that turns true once someone else (the router's load monitor) has read
+    the daemon's /metrics since the check was made (this check's reads discounted)."""
+
+    def scrapes() -> float:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "barrel_http_requests"
+            for s in f.samples
+            if s.name.endswith("_total") and s.labels.get("route") == "/metrics"
+        )
+
+    base = scrapes()
+    ours = 1  # the read above counts in the next one
+
+    def check() -> bool:
+        nonlocal ours
+        seen = scrapes() - base - ours
+        ours += 1
+        return seen >= 1
+
+    return check
+
+
 def finished(url: str) -> float:
     """The daemon's own count of finished generations."""
     text = httpx.get(url + "/metrics", timeout=30).text
@@ -383,6 +409,10 @@ def test_load_aware_routing_avoids_the_daemon_whose_slot_is_held(
             router.wait_for(seen_busy)
             before = finished(free.url)
             for _ in range(6):
+                # SMG adds 1,024 tokens of expected work per request it sent since its
+                # last poll of a worker: each request goes after a fresh poll of the free
+                # daemon, so the choice is made on the loads the daemons report
+                router.wait_for(scraped(free.url))
                 r = httpx.post(router.url + "/v1/chat/completions", json=short, timeout=120)
                 assert r.status_code == 200, r.text
             assert finished(free.url) - before == 6  # every one went to the free daemon
