@@ -96,12 +96,14 @@ class Daemon:
             self.proc.wait(timeout=10)
 
 
-def serve_models(tmp: Path, models: dict[str, Path], config: str = "") -> Daemon:
-    """`barrel serve` with these local models, its cache under `tmp`, a 2048-token
+def serve_models(
+    tmp: Path, models: dict[str, Path], config: str = "", context: int = 2048
+) -> Daemon:
+    """`barrel serve` with these local models, its cache under `tmp`, a `context`-token
     context and `config` (more TOML under [models]), up with its tree running."""
     path = tmp / "barrel.toml"
     path.write_text(
-        f'[models]\ncache_root = "{tmp / "cache"}"\nmax_context_size = 2048\n{config}\n'
+        f'[models]\ncache_root = "{tmp / "cache"}"\nmax_context_size = {context}\n{config}\n'
     )
     args = [arg for name, p in models.items() for arg in ("--model", f"{name}={p}")]
     d = Daemon("--config", str(path), *args, cwd=tmp)

@@ -22,11 +22,14 @@ class Dialect(StrEnum):
     BARREL = "barrel"
 
 
+LLAMA_SERVER_PATHS = frozenset({"/tokenize", "/detokenize", "/rerank", "/reranking"})
+
+
 def dialect_for(path: str) -> Dialect:
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return Dialect.ANTHROPIC
-    if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
-        return Dialect.OPENAI  # llama-server's tokenizer endpoints answer like OpenAI
+    if path.startswith("/v1/") or path in LLAMA_SERVER_PATHS:
+        return Dialect.OPENAI  # llama-server's own endpoints answer like OpenAI
     if path.startswith("/api/"):
         return Dialect.OLLAMA
     return Dialect.BARREL

@@ -56,7 +56,7 @@ class SearchRequest(msgspec.Struct):
 async def _body(request: web.Request, kind: type[Any]) -> Any:
     raw = await request.read()
     try:
-        return msgspec.json.decode(raw or b"{}", type=kind)
+        return msgspec.json.decode(raw or b"{}", type=kind, strict=False)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:

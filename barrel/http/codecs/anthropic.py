@@ -240,7 +240,7 @@ def decode(
     """Everything that can be checked without the model, before any queueing or
     loading (count_tokens needs no max_tokens); and the body, for the encoder."""
     try:
-        body = msgspec.json.decode(raw or b"{}", type=MessagesBody)
+        body = msgspec.json.decode(raw or b"{}", type=MessagesBody, strict=False)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
     if not body.model:

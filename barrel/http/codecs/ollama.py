@@ -68,7 +68,7 @@ class GenerateBody(_Body, kw_only=True):
 
 def decode_body(raw: bytes, kind: type[Any]) -> Any:
     try:
-        body = msgspec.json.decode(raw or b"{}", type=kind)
+        body = msgspec.json.decode(raw or b"{}", type=kind, strict=False)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
     if not getattr(body, "model", ""):
@@ -176,11 +176,9 @@ def _tools(raw: list[dict[str, Any]]) -> tuple[Tool, ...]:
 
 def _common(body: _Body, messages: tuple[Message, ...], **more: Any) -> GenerateRequest:
     thinking, effort = _think(body.think)
-    logprobs = None
-    if body.logprobs:
-        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
-        logprobs = body.top_logprobs
+    if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+    logprobs = body.top_logprobs if body.logprobs else None
     return GenerateRequest(
         model=body.model,
         dialect=Dialect.OLLAMA,

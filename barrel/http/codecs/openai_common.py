@@ -68,7 +68,7 @@ _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 def decode_json(raw: bytes, kind: type[B]) -> B:
     """The body as `kind`; a 400 naming the field at fault (OpenAI's `param`)."""
     try:
-        body = msgspec.json.decode(raw or b"{}", type=kind)
+        body = msgspec.json.decode(raw or b"{}", type=kind, strict=False)
     except msgspec.ValidationError as exc:
         text = str(exc)
         m = _AT.search(text)
