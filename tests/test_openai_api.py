@@ -825,3 +825,31 @@ def test_the_weather_prompt_is_a_call_at_temperature_0_8(client: openai.OpenAI, 
     )
     calls = r.choices[0].message.tool_calls or []
     assert [c.function.name for c in calls] == ["get_weather"], r.choices[0].message.content
+
+
+IM_END = 151645  # Qwen's end-of-turn token, an end-of-generation token of both models
+
+
+def test_ignore_eos_generates_past_the_end_of_turn(client: openai.OpenAI) -> None:
+    """vLLM's and llama-server's `ignore_eos` (benchmarks such as GuideLLM send it to get
+    answers of the length they ask for): with the end-of-turn token made certain, the
+    answer stops at once without it and runs to max_tokens with it."""
+    forced = {"logit_bias": {str(IM_END): 100}}
+    ended = client.chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=6, extra_body=forced
+    )
+    assert ended.choices[0].finish_reason == "stop"
+    assert ended.usage is not None
+    assert ended.usage.completion_tokens <= 1
+    kept = client.chat.completions.create(
+        model="tiny", messages=QUESTION, max_tokens=6, extra_body={**forced, "ignore_eos": True}
+    )
+    assert kept.choices[0].finish_reason == "length"
+    assert kept.usage is not None
+    assert kept.usage.completion_tokens == 6
+    text = client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=5, extra_body={**forced, "ignore_eos": True}
+    )
+    assert text.choices[0].finish_reason == "length"
+    assert text.usage is not None
+    assert text.usage.completion_tokens == 5

@@ -192,6 +192,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     prompt_logprobs=scoring,
                     scope=scope_of(request),
                     lora=lora,
+                    ignore_eos=body.ignore_eos,
                 )
                 for p in prompts
                 for _ in range(body.n)

@@ -67,6 +67,7 @@ class ChatRequest:
     # 0: the system + tools head
     pin_messages: int = 0
     lora: tuple[float, ...] | None = None  # GenerationRequest.lora
+    ignore_eos: bool = False  # GenerationRequest.ignore_eos (the answer, not the thoughts)
 
 
 @dataclass(frozen=True)
@@ -417,6 +418,7 @@ async def run(
         scope=req.scope,
         preserve=prep.preserve,
         lora=req.lora,
+        ignore_eos=req.ignore_eos,
     )
     stream = engine.submit(gen)
     calls = 0

@@ -261,6 +261,7 @@ async def _prepared(
         template_kwargs=kwargs,
         pin_messages=before + req.pin_messages if req.pin_messages else 0,
         lora=lora_scales(req.lora, session.adapters),
+        ignore_eos=req.ignore_eos,
     )
     prep = await session.prepare(chat, template)
     grammar_bytes = len(prep.grammar or "")

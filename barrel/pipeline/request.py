@@ -149,4 +149,5 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # llama-server's per-request LoRA: (adapter id, scale) pairs; adapters not named get
     # scale 0. None: the model's adapters at their load-time scales.
     lora: tuple[tuple[int, float], ...] | None = None
+    ignore_eos: bool = False  # generate past end-of-generation tokens, up to max_tokens
     raw: RawPrompt | None = None

@@ -265,6 +265,7 @@ def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest
         format=format_of(body.response_format),
         options=options_of(body),
         logit_bias=logit_bias_of(body),
+        ignore_eos=body.ignore_eos,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         max_tokens=body.max_tokens,
         n=body.n,

@@ -59,6 +59,8 @@ class Knobs(msgspec.Struct, kw_only=True):
     prompt_cache_key: str | None = None
     # llama-server's per-request LoRA adapters: [{id, scale}], the others at scale 0
     lora: list[LoraEntry] | None = None
+    # vLLM's and llama-server's: generate past end-of-generation tokens (benchmarks)
+    ignore_eos: bool = False
 
 
 B = TypeVar("B", bound=msgspec.Struct)

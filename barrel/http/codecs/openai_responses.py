@@ -193,6 +193,7 @@ def decode(
         format=_format(body.text),
         options=options_of(body),
         logit_bias=logit_bias_of(body),
+        ignore_eos=body.ignore_eos,
         max_tokens=body.max_tokens,
         stream=body.stream,
         reasoning_effort=_effort(body),

@@ -1,0 +1,164 @@
+"""GuideLLM, a serving benchmark users know, against Barrel and llama-server in one run,
+on Qwen2.5-Coder-0.5B Q4_K_M, with the tokenizer read offline from the GGUF file.
+
+    .venv/bin/python -m bench.serving [--streams 4] [--requests 24]
+
+GuideLLM (and the transformers and torch it needs) lives in its own virtual environment
+under the models cache, installed on first use: a measuring stick, never a dependency.
+The tokenizer comes out of the GGUF through transformers' GGUF reader, so nothing is
+fetched from the Hugging Face hub. Both servers get the same model file, context and
+parallel sequences (bench/peers' settings); GuideLLM sends synthetic chat requests (a
+fixed prompt and answer length, streamed, a seed) at a fixed concurrency, first to one
+server, then to the other, then once more each (ABBA), and reports per-request TTFT,
+inter-token latency and output throughput; this script prints their percentiles side by
+side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from barrel.store import bundled
+from bench.http import MODEL, start_daemon, wait_ready
+from bench.peers import PARALLEL, llama_server, start_llama_server
+
+GUIDELLM = "guidellm==0.8.1"
+FIGURES = [("time_to_first_token_ms", "TTFT ms"), ("inter_token_latency_ms", "ITL ms")]
+
+
+def guidellm_env() -> Path:
+    """The cached virtual environment with GuideLLM, built on first use."""
+    home = bundled.cache_dir() / "guidellm-0.8.1"
+    python = home / "bin" / "python"
+    if not (home / ".ready").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(home)], check=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        subprocess.run([*pip, GUIDELLM, "gguf"], check=True)
+        (home / ".ready").touch()
+    return home
+
+
+def tokenizer_dir(env: Path, gguf: Path) -> Path:
+    """The model's tokenizer, exported from its GGUF file by transformers."""
+    out = bundled.cache_dir() / "qwen2.5-coder-0.5b-tokenizer"
+    if not (out / "tokenizer.json").exists():
+        script = (
+            "import sys\nfrom transformers import AutoTokenizer\n"
+            "t = AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2])\n"
+            "t.save_pretrained(sys.argv[3])\n"
+        )
+        python = str(env / "bin" / "python")
+        subprocess.run([python, "-c", script, str(gguf.parent), gguf.name, str(out)], check=True)
+    return out
+
+
+def run_guidellm(
+    env: Path, url: str, model: str, tokenizer: Path, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
+    command = [
+        str(env / "bin" / "guidellm"),
+        "run",
+        "--backend",
+        f"kind=openai_http,target={url},model={model},request_format=/v1/chat/completions",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={tokenizer}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={args.prompt},output_tokens={args.output}",
+        "--profile",
+        f"kind=concurrent,streams={args.streams}",
+        "--constraint",
+        f"kind=max_requests,count={args.requests}",
+        "--seed",
+        "kind=static,value=42",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console-interactive",
+    ]
+    subprocess.run(command, check=True, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+def summary(report: dict[str, Any], figure: str) -> dict[str, float]:
+    """A figure's mean and p50/p90/p99 over the successful requests."""
+    (benchmark,) = report["benchmarks"]
+    found = benchmark["metrics"][figure]["successful"]
+    return {"mean": float(found["mean"]), **{k: float(v) for k, v in found["percentiles"].items()}}
+
+
+def table(reports: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, float]]:
+    """(figure, Barrel, llama-server): each the mean over that server's runs."""
+
+    def both(figure: str, key: str) -> tuple[float, float]:
+        ours = [summary(r, figure)[key] for r in reports["barrel"]]
+        theirs = [summary(r, figure)[key] for r in reports["llama-server"]]
+        return sum(ours) / len(ours), sum(theirs) / len(theirs)
+
+    rows = [
+        (f"{label} {q}", *both(figure, q))
+        for figure, label in FIGURES
+        for q in ("p50", "p90", "p99")
+    ]
+    rows.append(("output tok/s (all streams)", *both("output_tokens_per_second", "mean")))
+    rows.append(("output tokens a request", *both("output_token_count", "mean")))
+    return rows
+
+
+async def ready(urls: dict[str, str]) -> None:
+    async with aiohttp.ClientSession() as session:
+        for name, url in urls.items():
+            path = "/health/ready" if name == "barrel" else "/health"
+            await wait_ready(session, url, path, timeout=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--reports", type=Path, default=Path(tempfile.gettempdir()) / "serving")
+    args = parser.parse_args()
+    args.reports.mkdir(parents=True, exist_ok=True)
+    model = bundled.assemble("qwen2.5-coder-0.5b")
+    env = guidellm_env()
+    tokenizer = tokenizer_dir(env, model)
+    llama_server()
+    reports: dict[str, list[dict[str, Any]]] = {"barrel": [], "llama-server": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = {
+            "barrel": start_daemon(Path(tmp), model, PARALLEL),
+            "llama-server": start_llama_server(model),
+        }
+        names = {"barrel": MODEL, "llama-server": "qwen"}
+        try:
+            asyncio.run(ready({k: url for k, (_, url) in servers.items()}))
+            for name, (_, url) in servers.items():  # warm-up: Barrel loads the model
+                warm = argparse.Namespace(**{**vars(args), "requests": args.streams})
+                run_guidellm(env, url, names[name], tokenizer, warm, args.reports / "warm.json")
+            order = ["barrel", "llama-server", "llama-server", "barrel"]
+            for i, name in enumerate(order):
+                out = args.reports / f"{i}-{name}.json"
+                url = servers[name][1]
+                reports[name].append(run_guidellm(env, url, names[name], tokenizer, args, out))
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(timeout=60)
+    print(f"GuideLLM, {args.streams} concurrent streams, {args.prompt} -> {args.output} tokens")
+    for label, ours, theirs in table(reports):
+        ratio = ours / theirs
+        print(f"{label:>28}: barrel {ours:8.1f}  llama-server {theirs:8.1f}  ratio {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
