@@ -75,7 +75,11 @@ def test_a_model_without_rank_pooling_is_a_400_before_it_loads(daemon: Daemon) -
     assert "not a reranker" in error["message"]
     ps = httpx.get(daemon.url + "/api/ps", timeout=10).json()["models"]
     assert "tiny" not in [m["name"] for m in ps]  # refused before any load
-    assert rerank(daemon, model="nope").status_code == 404
+    for path in ("/v1/rerank", "/rerank", "/reranking"):  # llama-server's paths too
+        missing = rerank(daemon, path, model="nope")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["type"] == "invalid_request_error"  # OpenAI's envelope
+        assert missing.json()["error"]["code"] == "not_found"
 
 
 @pytest.mark.parametrize(

@@ -71,6 +71,8 @@ def test_bad_requests_are_400s() -> None:
         (body(model="m", keep_alive="soon"), "keep_alive"),
         (body(model="m", messages=[{"role": "robot"}]), "role"),
         (body(model="m", logprobs=True, top_logprobs=21), "top_logprobs"),
+        (body(model="m", top_logprobs=21), "top_logprobs"),  # checked with logprobs off too
+        (body(model="m", top_logprobs="lots"), "invalid request"),
     ]:
         with pytest.raises(InvalidRequest, match=message):
             codec.decode_chat(raw)

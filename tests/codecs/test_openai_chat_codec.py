@@ -214,3 +214,31 @@ def test_a_failure_mid_stream_is_an_error_frame_without_done() -> None:
     enc = _encoder()
     with pytest.raises(BarrelError, match="without a result"):
         enc.end()  # the events stopped before Finished
+
+
+def test_integral_numbers_and_numeric_strings_are_read_and_bad_ones_stay_400s() -> None:
+    """JSON Schema counts 5.0 as an integer (and openapi.yaml says integer): the decoder
+    reads it as one, and numbers sent as strings as numbers; anything else is still a
+    400, and values out of range are checked after the conversion."""
+    req, parsed = codec.decode(
+        body(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5.0,
+            n="2",
+            temperature="0.5",
+            stream="false",
+        )
+    )
+    assert (req.max_tokens, req.n, req.options.temperature, req.stream) == (5, 2, 0.5, False)
+    assert parsed.max_tokens == 5
+    for fields in (
+        {"max_tokens": 5.5},
+        {"max_tokens": "many"},
+        {"temperature": "nan"},
+        {"temperature": "1e400"},
+        {"n": "99"},
+        {"logit_bias": {"1": "nan"}},
+    ):
+        with pytest.raises(InvalidRequest):
+            codec.decode(body(model="m", messages=[{"role": "user", "content": "hi"}], **fields))
