@@ -55,6 +55,11 @@ class LimitsConfig(_Section, frozen=True):
     max_schema_repeat: int = 256  # {m,n} bounds and min/max lengths and items in a schema
     template_render_s: float = 5.0  # time to render one chat template
     grammar_sample_s: float = 2.0  # time to sample one token under a grammar
+    max_images: int = 16  # images in one request
+    # One image's bytes (inline images also count against max_request_body_bytes).
+    max_image_bytes: int = 10 * 1024 * 1024
+    # One image's pixels, from its header (a small file may declare a huge picture).
+    max_image_pixels: int = 50_000_000
 
 
 class ResponsesConfig(_Section, frozen=True):
@@ -116,6 +121,9 @@ class RegistryConfig(_Section, frozen=True):
     # Pulls from sources not configured here may reach private, loopback and link-local
     # addresses (off: a client cannot make the daemon fetch from its own network).
     private_networks: bool = False
+    # Origins (scheme://host[:port]) image URLs may be fetched from as written, plain
+    # http and private addresses included; any other image URL must be public https.
+    image_origins: list[str] = msgspec.field(default_factory=list)
     # A non-streaming pull answers 504 after this long; the download goes on.
     pull_timeout_s: float = 600.0
 
@@ -144,6 +152,8 @@ class ModelsConfig(_Section, frozen=True):
     )
     # Local GGUF files registered at boot: name -> path (same as `--model NAME=PATH`).
     local: dict[str, str] = msgspec.field(default_factory=dict)
+    # Vision projectors of local files: name -> projector GGUF (same as `--mmproj`).
+    projectors: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class Config(_Section, frozen=True):
@@ -271,6 +281,9 @@ def validate(config: Config, source: str) -> None:
         errors.append("models.defaults.speculation: must be ngram or off")
     if not 0 <= config.models.defaults.draft_max <= 64:
         errors.append("models.defaults.draft_max: must be 0 to 64")
+    for origin in config.registry.image_origins:
+        if not origin.startswith(("http://", "https://")):
+            errors.append(f"registry.image_origins: {origin!r} is not an http(s) origin")
     residency = ("eager", "lazy", "pinned", "lazy_then_pin_resident")
     if config.models.weight_residency_default not in residency:
         errors.append(f"models.weight_residency_default: must be one of {', '.join(residency)}")

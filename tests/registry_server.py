@@ -68,6 +68,7 @@ class RegistryServer:
         template: str | None = None,
         params: dict[str, Any] | None = None,
         system: str | None = None,
+        projector: Path | None = None,
     ) -> str:
         def layer(media: str, data: bytes | Path) -> dict[str, Any]:
             digest, size = self.blob(data)
@@ -80,6 +81,8 @@ class RegistryServer:
             layers.append(layer("application/vnd.ollama.image.params", json.dumps(params).encode()))
         if system is not None:
             layers.append(layer("application/vnd.ollama.image.system", system.encode()))
+        if projector is not None:
+            layers.append(layer("application/vnd.ollama.image.projector", projector))
         config = layer("application/vnd.docker.container.image.v1+json", b'{"model_format":"gguf"}')
         manifest = {
             "schemaVersion": 2,

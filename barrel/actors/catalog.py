@@ -6,6 +6,7 @@ Holds the local GGUF files registered at boot (`--model NAME=PATH` and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -20,16 +21,24 @@ logger = logging.getLogger(__name__)
 
 
 class Catalog(Child):
-    def __init__(self, link: Link, local: Mapping[str, str]) -> None:
+    def __init__(
+        self, link: Link, local: Mapping[str, str], projectors: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(link)
         self._paths = dict(local)
+        self._projectors = dict(projectors or {})
         self._models: dict[str, LocalModel] = {}
         self._configs: dict[str, dict[str, Any]] = {}
 
     def init(self) -> None:
         # Re-checked on every (re)start: a file may have gone away since boot.
         for name, path in self._paths.items():
-            self._models[name] = check_gguf_file(name, path)
+            model = check_gguf_file(name, path)
+            projector = self._projectors.get(name)
+            if projector is not None:
+                checked = check_gguf_file(name, projector)
+                model = dataclasses.replace(model, projector=checked.path)
+            self._models[name] = model
             logger.info("registered model %s -> %s", name, self._models[name].path)
 
     def describe(self, name: str) -> dict[str, Any]:
@@ -37,7 +46,10 @@ class Catalog(Child):
         header the first time it is asked for."""
         model = self.lookup(name)
         if model.name not in self._configs:
-            self._configs[model.name] = config_for(read_gguf(model.path))
+            config = config_for(read_gguf(model.path))
+            if model.projector is not None:
+                config["barrel"]["capabilities"] = [*config["barrel"]["capabilities"], "vision"]
+            self._configs[model.name] = config
         return self._configs[model.name]
 
     def list_models(self) -> list[LocalModel]:

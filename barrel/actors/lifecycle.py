@@ -94,6 +94,10 @@ class Lifecycle:
             details = meta.pop("details", {})
             # NAME:latest is NAME: one engine, under the name it was registered with
             spec = self._spec(local.name, local.path, local.size, meta, {}, details, local.digest)
+            if local.projector is not None:
+                spec = dataclasses.replace(
+                    spec, engine=dataclasses.replace(spec.engine, mmproj=local.projector)
+                )
             self._local_specs[name] = (now, spec)
             return spec
         except NotFound:
@@ -137,7 +141,7 @@ class Lifecycle:
         loras = tuple(LoraAdapter(path) for path in rec.adapter_paths)
         return dataclasses.replace(
             spec,
-            engine=dataclasses.replace(spec.engine, loras=loras),
+            engine=dataclasses.replace(spec.engine, loras=loras, mmproj=rec.projector_path),
             template=rec.template,
             system=rec.system,
             messages=tuple(rec.messages),

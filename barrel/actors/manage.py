@@ -179,7 +179,7 @@ class ModelManager:
             "template": rec.template if rec.template is not None else templates.get("", ""),
             "details": rec.details(),
             "model_info": meta.get("model_info", {}),
-            "capabilities": meta.get("capabilities", []),
+            "capabilities": rec.capabilities,
             "modified_at": modified_iso(rec.modified_at),
         }
         if rec.system is not None:

@@ -96,6 +96,11 @@ class ModelSession:
         return len(self.spec.engine.loras)
 
     @property
+    def vision(self) -> bool:
+        """The model has a projector: it reads images."""
+        return self._live().projector is not None
+
+    @property
     def n_vocab(self) -> int:
         self._live()
         return self._model.n_vocab
@@ -210,8 +215,16 @@ class ModelSession:
         self._live()
         model = self._model
         family = detect_family(template.source)
+        projector = self._engine.projector
         return await asyncio.to_thread(
-            prepare, req, template, model.tokenize, family, model.control_tokens, self._tokenize_as
+            prepare,
+            req,
+            template,
+            model.tokenize,
+            family,
+            model.control_tokens,
+            self._tokenize_as,
+            projector.images if projector is not None else None,
         )
 
     def _tokenize_as(self, text: str, add_special: bool, parse_special: bool) -> list[int]:

@@ -32,6 +32,8 @@ from barrel.engine.errors import EngineStopped
 from barrel.engine.residency import ResidencyTracker
 from barrel.errors import BarrelError
 from barrel.metrics import Metrics
+from barrel.store.download import fetch_bounded
+from barrel.store.netpolicy import NetPolicy
 from barrel.store.store import ModelStore
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,13 @@ class Models:
         """Ollama's keep_alive: seconds, a duration string, 0 = now, negative = forever;
         None = the configured default. ValueError on anything else."""
         return keep_alive_seconds(value, self.config.models.default_keep_alive)
+
+    async def fetch_image(self, url: str, max_bytes: int) -> bytes:
+        """An image a request names by URL (at most `max_bytes`), under the network
+        rules of pulls: public https, or an origin `registry.image_origins` trusts."""
+        reg = self.config.registry
+        policy = NetPolicy.trusting(reg.image_origins, private_networks=reg.private_networks)
+        return await asyncio.to_thread(fetch_bounded, url, max_bytes, policy)
 
     async def crash_engine(self, model: str) -> None:
         """Kill the model's engine thread (fault injection for soak tests): its requests

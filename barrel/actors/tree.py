@@ -96,7 +96,14 @@ def daemon_tree(
         ROOT,
         _flags(Strategy.ONE_FOR_ONE, sup.root),
         [
-            ChildSpec(CATALOG, partial(Catalog.start, local=dict(local_models))),
+            ChildSpec(
+                CATALOG,
+                partial(
+                    Catalog.start,
+                    local=dict(local_models),
+                    projectors=dict(config.models.projectors),
+                ),
+            ),
             ChildSpec(STORE, partial(StoreActor.start, store=store)),
             ChildSpec(ADMISSION, Admission.start),
             ChildSpec(

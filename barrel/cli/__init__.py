@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import msgspec
 
 from barrel import __version__, config
-from barrel.errors import BarrelError, ConfigError
+from barrel.errors import BarrelError, ConfigError, InvalidRequest
 from barrel.store.local import check_gguf_file
 
 EXIT_USAGE = 2
@@ -19,6 +20,28 @@ def _parse_model(value: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
     return name, path
+
+
+class _Projector(argparse.Action):
+    """--mmproj PATH belongs to the --model given last; NAME=PATH names its model."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        text = str(values)
+        name, sep, path = text.partition("=")
+        if not sep:
+            models = getattr(namespace, "model", None) or []
+            if not models:
+                parser.error("--mmproj PATH must follow the --model it belongs to")
+            name, path = models[-1][0], text
+        projectors = dict(getattr(namespace, self.dest, None) or {})
+        projectors[name] = path
+        setattr(namespace, self.dest, projectors)
 
 
 def _with_host(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_parse_model,
         metavar="NAME=PATH",
         help="register a local GGUF file under NAME (repeatable)",
+    )
+    serve.add_argument(
+        "--mmproj",
+        action=_Projector,
+        default={},
+        metavar="[NAME=]PATH",
+        help="a vision projector GGUF for the --model before it (or for NAME)",
     )
     serve.add_argument("--log-level", help="debug, info, warning or error")
 
@@ -100,6 +130,8 @@ def _apply_flags(cfg: config.Config, args: argparse.Namespace) -> config.Config:
     models = cfg.models
     if args.cache_root is not None:
         models = msgspec.structs.replace(models, cache_root=args.cache_root)
+    if getattr(args, "mmproj", None):
+        models = msgspec.structs.replace(models, projectors={**models.projectors, **args.mmproj})
     cfg = msgspec.structs.replace(cfg, server=server, models=models)
     config.validate(cfg, "command line")  # flags go through the same checks as the file
     return cfg
@@ -113,6 +145,10 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = _apply_flags(config.load(args.config), args)
         local = {**cfg.models.local, **dict(args.model)}
         for name, path in local.items():
+            check_gguf_file(name, path)
+        for name, path in cfg.models.projectors.items():
+            if name not in local:
+                raise InvalidRequest(f"--mmproj {name}: no --model {name} to add it to")
             check_gguf_file(name, path)
     except BarrelError as exc:
         print(f"barrel: {exc.message}", file=sys.stderr)

@@ -84,6 +84,8 @@ class EngineOptions:
     # Embedding mode: the context outputs pooled embeddings instead of logits.
     embedding: bool = False
     pooling: str = "model"  # model (from the GGUF, mean if it has none) | mean | cls | last
+    # A multimodal projector GGUF (barrel.engine.vision): the model then reads images.
+    mmproj: Path | None = None
 
 
 def effective_options(opts: EngineOptions) -> EngineOptions:

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -52,6 +53,7 @@ from barrel.engine.slots import SlotManager
 from barrel.engine.speculate import NgramDrafter
 from barrel.engine.stream import Stream
 from barrel.engine.types import Done, Event, FinishReason, GenerationRequest, RequestId
+from barrel.engine.vision import Projector, is_placeholder, load_projector
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.futures import Reply, ToLoop
 
@@ -180,7 +182,17 @@ class Engine:
         self.ctx: Any = new_context(model, opts, self.n_ctx)
         try:
             self._loras = apply_loras(model, self.ctx, opts.loras)
+            self.projector: Projector | None = None
+            if opts.mmproj is not None:
+                self.projector = load_projector(
+                    opts.mmproj,
+                    model,
+                    threads=opts.threads or (os.cpu_count() or 1),
+                    use_gpu=model.options.n_gpu_layers != 0,
+                )
         except BaseException:
+            for adapter in getattr(self, "_loras", ()):
+                ll.llama_adapter_lora_free(adapter)
             ll.llama_free(self.ctx)
             raise
         # LoRA scales now set on the context, and the step each setting last ran
@@ -270,6 +282,7 @@ class Engine:
                 limit=self.n_ctx,
             )
         req = self._with_lora(req)
+        self._check_media(req)
         # Built in the caller's thread (it needs the vocabulary only): a bad grammar fails
         # the request before it is queued.
         sampler = Sampler(self.model, req.sampling, self.n_ctx)
@@ -299,6 +312,21 @@ class Engine:
             return dataclasses.replace(req, lora=None)
         tag = ",".join(f"{s:g}" for s in req.lora)
         return dataclasses.replace(req, scope=f"{req.scope}|lora={tag}")
+
+    def _check_media(self, req: GenerationRequest) -> None:
+        """A prompt's image placeholders must all be images this request brought, and
+        never end it (the first sample needs a text token's logits)."""
+        holes = {t for t in req.prompt if is_placeholder(t)}
+        if not holes and not req.media:
+            return
+        if self.projector is None:
+            raise InvalidRequest("this model reads text only; images are not supported")
+        if holes - {m.token for m in req.media}:
+            raise InvalidRequest("the prompt has token ids outside the vocabulary")
+        if is_placeholder(req.prompt[-1]):
+            raise InvalidRequest("a prompt may not end with an image")
+        if req.prompt_logprobs:
+            raise InvalidRequest("prompt logprobs are not available for prompts with images")
 
     def _lora_of(self, run: Run) -> tuple[float, ...]:
         return run.req.lora if run.req.lora is not None else self._lora_default
@@ -495,9 +523,54 @@ class Engine:
                 reuse=not run.req.prompt_logprobs,
                 scope=run.req.scope,
             )
+            self._image_start(run, slot)
             run.reused = run.n_past
             run.slot = slot
             self._active.append(run)
+
+    def _image_start(self, run: Run, slot: Slot) -> None:
+        """KV reuse that ends inside an image goes back to the image's start: an image
+        is evaluated whole."""
+        prompt, n = run.req.prompt, run.n_past
+        if n == 0 or n >= len(prompt) or not is_placeholder(prompt[n]):
+            return
+        start = n
+        while start > 0 and prompt[start - 1] == prompt[n]:
+            start -= 1
+        if start < n:
+            ll.llama_memory_seq_rm(self.kv.mem, slot.seq, start, -1)
+            del slot.tokens[start:]
+            run.n_past = start
+
+    def _images(self, lora: tuple[float, ...]) -> None:
+        """Evaluate the image each prefilling sequence has reached (engine thread; the
+        projector decodes its embeddings into the sequence). No KV room: parked
+        sequences go first, then the request fails, as for tokens."""
+        for run in list(self._active):
+            if not run.prefilling or run.slot is None or self._lora_of(run) != lora:
+                continue
+            token = run.req.prompt[run.n_past]
+            if not is_placeholder(token):
+                continue
+            assert self.projector is not None  # submit checked it
+            media = next(m for m in run.req.media if m.token == token)
+            n_pos = 0
+            seq = run.slot.seq
+            while True:
+                try:
+                    n_pos = self.projector.evaluate(
+                        self.ctx, media, run.n_past, seq, self.options.n_batch
+                    )
+                    break
+                except RuntimeError:
+                    ll.llama_memory_seq_rm(self.kv.mem, seq, run.n_past, -1)
+                    if not (self.kv.evict_lru() or self.kv.evict_pin()):
+                        self._out(run, KVCacheFull("no KV room for the image", retry_after=1.0))
+                        self._release(run)
+                        break
+            if run.slot is not None:
+                run.slot.tokens.extend([token] * n_pos)
+                run.n_past += n_pos
 
     # -- one step -----------------------------------------------------------------
 
@@ -554,12 +627,25 @@ class Engine:
         budget = b.capacity - b.n
         if entries:
             budget = min(budget, self.options.prefill_chunk)
+        if self.projector is not None:
+            self._images(lora)
         for run in self._active:
             if not run.prefilling or budget <= 0 or self._lora_of(run) != lora:
                 continue
             assert run.slot is not None
             prompt = run.req.prompt
             take = min(len(prompt) - run.n_past, budget)
+            if run.req.media:  # text up to the next image (evaluated next step)
+                take = next(
+                    (
+                        i - run.n_past
+                        for i in range(run.n_past, run.n_past + take)
+                        if is_placeholder(prompt[i])
+                    ),
+                    take,
+                )
+                if take == 0:
+                    continue
             rows = run.req.prompt_logprobs
             if rows:  # a vocabulary of logits per token: keep the output buffer small
                 take = min(take, PROMPT_LOGPROB_CHUNK)
@@ -630,7 +716,10 @@ class Engine:
         room = min(room, self.n_ctx - run.n_past - 2)
         if run.req.max_tokens is not None:
             room = min(room, run.req.max_tokens - len(run.generated) - 1)
-        return run.drafter.draft(room)
+        draft = run.drafter.draft(room)
+        if run.req.media:  # never an image's placeholder
+            draft = list(itertools.takewhile(lambda t: not is_placeholder(t), draft))
+        return draft
 
     def _verify_draft(self, run: Run, index: int, seq: int) -> None:
         """Keep the draft tokens while each equals the token sampled before it (the
@@ -797,5 +886,7 @@ class Engine:
         self._batch.free()
         for adapter in self._loras:
             ll.llama_adapter_lora_free(adapter)
+        if self.projector is not None:
+            self.projector.close()
         ll.llama_free(self.ctx)
         self.ctx = None

@@ -42,6 +42,12 @@ def _log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         _llama_logger.log(lvl, "%s", text.decode("utf-8", errors="replace").rstrip("\n"))
 
 
+def log_callback() -> object:
+    """llama.cpp's log callback that speaks through Python logging (for the libraries
+    beside libllama: mtmd)."""
+    return _log
+
+
 def _init_backend() -> None:
     global _backend_ready
     if not _backend_ready:

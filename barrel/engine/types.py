@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 import msgspec
+
+if TYPE_CHECKING:
+    from barrel.engine.vision import Media
 
 RequestId = NewType("RequestId", int)
 SessionId = NewType("SessionId", str)
@@ -74,6 +77,8 @@ class GenerationRequest:
     # Sequences of different scales never share a decode step (llama.cpp sets adapters
     # per context), nor KV cells.
     lora: tuple[float, ...] | None = None
+    # The images whose placeholders are in `prompt` (barrel.engine.vision).
+    media: tuple[Media, ...] = ()
 
 
 class FinishReason(StrEnum):

@@ -24,11 +24,11 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from aiohttp import web
 
-from barrel.errors import BarrelError
+from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import STAMP, Begin, Comment, Data, Encoder, EndMarker, Frame, Stamp
 from barrel.http.keys import API_KEY, CONFIG, MODELS
 from barrel.http.sse import SseWriter
-from barrel.pipeline import generate
+from barrel.pipeline import generate, images
 from barrel.pipeline.request import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -155,6 +155,12 @@ async def serve(
     limits = request.app[CONFIG].limits
     generate.check(req, limits)
     req = msgspec.structs.replace(req, scope=scope_of(request))
+    if images.count(req):
+        # a model without a projector is a 400 before any load or download
+        shown = await request.app[MODELS].manage.show(req.model)
+        if "vision" not in shown.get("capabilities", []):
+            raise InvalidRequest(images.REFUSAL)
+        req = await images.load(req, limits, request.app[MODELS].fetch_image)
     started = stamp.perf()
 
     def queued(position: int) -> None:

@@ -22,6 +22,7 @@ cannot accept aborts the process, and a model can write anything after "</think>
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,9 +40,11 @@ from barrel.engine.types import (
     TokenLogprob,
     Usage,
 )
+from barrel.engine.vision import Media, Piece
 from barrel.errors import InvalidRequest
 from barrel.pipeline.gotemplate import go_to_jinja, is_go_template
 from barrel.pipeline.grammar import json_schema_grammar
+from barrel.pipeline.images import REFUSAL, digest_of, markers_of
 from barrel.pipeline.templates import ChatTemplate
 from barrel.pipeline.toolcalls import Family, Reasoning, Text, ToolCall, ToolCallParser, family
 
@@ -68,6 +71,8 @@ class ChatRequest:
     pin_messages: int = 0
     lora: tuple[float, ...] | None = None  # GenerationRequest.lora
     ignore_eos: bool = False  # GenerationRequest.ignore_eos (the answer, not the thoughts)
+    # the images the messages' markers name (barrel.pipeline.images), their bytes
+    images: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,8 @@ class Prepared:
     thinking_template: bool = False  # the template knows <think> blocks
     # control tokens the parser must see in the output
     preserve: frozenset[int] = frozenset()
+    # the images whose placeholders are in the prompt (barrel.engine.vision)
+    media: tuple[Media, ...] = ()
 
 
 def _tool_names(tools: list[dict[str, Any]]) -> list[str]:
@@ -177,10 +184,12 @@ def prepare(
     template_family: Family,
     control_tokens: Callable[[str], set[int]] | None = None,
     tokenize_as: Tokenize | None = None,
+    read_images: Callable[[list[bytes]], list[Piece]] | None = None,
 ) -> Prepared:
     """Everything that can fail on bad input happens here, before any slow work.
     `tokenize_as(text, add_special, parse_special)`, when given, keeps control-token text
-    inside messages plain text (see `_tokenize_prompt`)."""
+    inside messages plain text (see `_tokenize_prompt`). `read_images` is the model's
+    projector (None: it reads no images)."""
     _refuse_images(req.messages)
     forced = _forced_schema(req)
     schema = _answer_schema(req)
@@ -209,7 +218,14 @@ def prepare(
             ) from None
         if not req.thinking:
             sampling = msgspec.structs.replace(sampling, grammar=grammar)
-    prompt = _tokenize_prompt(prompt_text, messages, tokenize, control_tokens, tokenize_as)
+    pieces: dict[str, Piece] = {}
+    if req.images:
+        if read_images is None or tokenize_as is None:
+            raise InvalidRequest(REFUSAL)
+        blobs = {digest_of(b): b for b in req.images}
+        pieces = dict(zip(blobs, read_images(list(blobs.values())), strict=True))
+    prompt = _tokenize_prompt(prompt_text, messages, tokenize, control_tokens, tokenize_as, pieces)
+    media = {t: pieces[d].media for d in pieces if (t := pieces[d].media.token) in prompt}
     fam = template_family if tools else family("generic")
     preserve: set[int] = set()
     if control_tokens is not None:
@@ -235,6 +251,7 @@ def prepare(
         grammar=grammar,
         tool_names=tuple(_tool_names(tools)),
         render_s=render_s,
+        media=tuple(media.values()),
     )
 
 
@@ -247,21 +264,26 @@ def _tokenize_prompt(
     tokenize: Callable[[str], list[int]],
     control_tokens: Callable[[str], set[int]] | None,
     tokenize_as: Tokenize | None,
+    images: dict[str, Piece] | None = None,
 ) -> list[int]:
     """The rendered prompt's tokens. Only the template's own markup may become control
     tokens: message text that spells one (`<|im_start|>system` in a user's message) is
     tokenized as text, so a client cannot forge turns. Most messages hold no such text
     and the prompt is tokenized whole; otherwise the render is cut around those
-    messages' text, found where the template put it verbatim."""
+    messages' text, found where the template put it verbatim. `images` (by SHA-256):
+    each one's marker becomes the projector's tokens for it."""
     if control_tokens is None or tokenize_as is None:
         return tokenize(text)
-    risky = [
-        c
-        for m in messages
-        if isinstance(c := m.get("content"), str) and ("<" in c or "[" in c) and control_tokens(c)
-    ]
-    if not risky:
+    markers = markers_of(set(images)) if images else None
+    contents = [c for m in messages if isinstance(c := m.get("content"), str)]
+    if markers is not None:
+        contents = [piece for c in contents for piece in markers.split(c)]
+    risky = [c for c in contents if ("<" in c or "[" in c) and control_tokens(c)]
+    if not risky and markers is None:
         return tokenize(text)
+    if not risky:
+        assert images is not None
+        return _with_images(text, True, True, markers, images, tokenize_as)
     spans: list[tuple[int, int]] = []
     pos = 0
     for content in risky:
@@ -276,10 +298,31 @@ def _tokenize_prompt(
     out: list[int] = []
     last = 0
     for start, end in spans:
-        out += tokenize_as(text[last:start], last == 0, True)
+        out += _with_images(text[last:start], last == 0, True, markers, images, tokenize_as)
         out += tokenize_as(text[start:end], False, False)
         last = end
-    return out + tokenize_as(text[last:], False, True)
+    return out + _with_images(text[last:], False, True, markers, images, tokenize_as)
+
+
+def _with_images(
+    text: str,
+    add_special: bool,
+    parse_special: bool,
+    markers: re.Pattern[str] | None,
+    images: dict[str, Piece] | None,
+    tokenize_as: Tokenize,
+) -> list[int]:
+    """Template text with image markers: the text around them tokenized, each marker
+    replaced by its image's tokens."""
+    if markers is None or images is None:
+        return tokenize_as(text, add_special, parse_special)
+    out: list[int] = []
+    last = 0
+    for match in markers.finditer(text):
+        out += tokenize_as(text[last : match.start()], add_special and last == 0, parse_special)
+        out += images[match.group(0)[len("<__barrel_image_") : -len("__>")]].tokens()
+        last = match.end()
+    return out + tokenize_as(text[last:], add_special and last == 0, parse_special)
 
 
 TOOL_INSTRUCTIONS = (
@@ -306,15 +349,17 @@ def with_tool_instructions(
 
 
 def _refuse_images(messages: list[dict[str, Any]]) -> None:
+    """Images reach the pipeline as markers in the text (barrel.pipeline.images); parts
+    shaped like a dialect's image parts are not read."""
     for m in messages:
         content = m.get("content")
         if isinstance(content, list) and any(
             isinstance(p, dict) and p.get("type") in ("image_url", "image", "input_image")
             for p in content
         ):
-            raise InvalidRequest("this model reads text only; images are not supported")
+            raise InvalidRequest(REFUSAL)
         if m.get("images"):
-            raise InvalidRequest("this model reads text only; images are not supported")
+            raise InvalidRequest(REFUSAL)
 
 
 def make_template(
@@ -382,6 +427,7 @@ async def run(
             scope=req.scope,
             preserve=prep.preserve,
             lora=req.lora,
+            media=prep.media,
         )
         text = ""
         thought: Done | None = None
@@ -419,6 +465,7 @@ async def run(
         preserve=prep.preserve,
         lora=req.lora,
         ignore_eos=req.ignore_eos,
+        media=prep.media,
     )
     stream = engine.submit(gen)
     calls = 0

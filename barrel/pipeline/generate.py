@@ -25,9 +25,10 @@ import msgspec
 
 from barrel.config import LimitsConfig
 from barrel.errors import InvalidRequest
+from barrel.pipeline import images
 from barrel.pipeline.chat import ChatEvent, ChatRequest, Prepared
 from barrel.pipeline.grammar import check_schema
-from barrel.pipeline.request import GenerateRequest, Message
+from barrel.pipeline.request import GenerateRequest, Message, TextPart
 from barrel.pipeline.sampling import Dialect
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.templates import ChatTemplate
@@ -38,7 +39,6 @@ logger = logging.getLogger(__name__)
 # reasoning tokens allowed before the thinking block is closed for the model
 EFFORT_BUDGETS = {"minimal": 64, "low": 256, "medium": 512, "high": 1024, "xhigh": 2048}
 DEFAULT_BUDGET = 512
-IMAGE_REFUSAL = "this model reads text only; images are not supported"
 # A template for prompts given whole (raw, fill-in-the-middle): the text as it is.
 VERBATIM = ChatTemplate("{{ messages[-1].content }}")
 
@@ -89,9 +89,7 @@ class Generation:
 def check(req: GenerateRequest, limits: LimitsConfig) -> None:
     """What can be refused before any lease, whatever the dialect: every size the client
     chose is within `limits`."""
-    for m in req.messages:
-        if m.images:
-            raise InvalidRequest(IMAGE_REFUSAL)
+    images.check(req, limits)
     stops = [*(req.options.stop or ()), *req.stop]
     if len(stops) > limits.max_stop:
         raise InvalidRequest(f"at most {limits.max_stop} stop strings are allowed", param="stop")
@@ -118,10 +116,17 @@ def check(req: GenerateRequest, limits: LimitsConfig) -> None:
 
 
 def template_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
-    """Neutral messages -> the dicts chat templates read (Hugging Face's convention)."""
+    """Neutral messages -> the dicts chat templates read (Hugging Face's convention).
+    An image is its marker in the text, where it was among the message's parts."""
     out: list[dict[str, Any]] = []
     for m in messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.text}
+        content = m.text
+        if m.images:
+            content = "".join(
+                p.text if isinstance(p, TextPart) else images.image_marker(images.digest_of(p.data))
+                for p in m.parts
+            )
+        d: dict[str, Any] = {"role": m.role, "content": content}
         if m.tool_calls:
             d["tool_calls"] = [
                 {
@@ -262,6 +267,7 @@ async def _prepared(
         pin_messages=before + req.pin_messages if req.pin_messages else 0,
         lora=lora_scales(req.lora, session.adapters),
         ignore_eos=req.ignore_eos,
+        images=tuple(i.data for m in req.messages for i in m.images),
     )
     prep = await session.prepare(chat, template)
     grammar_bytes = len(prep.grammar or "")
@@ -308,6 +314,10 @@ def _fit(prep: Prepared, n_ctx: int, max_tokens: int | None) -> Prepared:
     prompt = prep.prompt
     if len(prompt) <= budget:
         return prep
+    if prep.media:
+        raise InvalidRequest(
+            f"the prompt with its images has {len(prompt)} tokens; the context holds {n_ctx}"
+        )
     logger.warning("truncating a prompt of %d tokens to %d (Ollama's way)", len(prompt), budget)
     kept = [*prompt[:NUM_KEEP], *prompt[len(prompt) - (budget - NUM_KEEP) :]]
     return dataclasses.replace(prep, prompt=kept, static_prefix=0)

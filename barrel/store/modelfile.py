@@ -1,6 +1,7 @@
 """Ollama's Modelfile: parse, check parameters, render back.
 
     FROM <model name | ./file.gguf | sha256:<digest>>
+    FROM <./projector.gguf | sha256:<digest>>   (a second FROM: a vision projector)
     PARAMETER <name> <value>          (repeatable; `stop` accumulates)
     SYSTEM / TEMPLATE / LICENSE <text | "text" | \"\"\"multi-line\"\"\">
     MESSAGE <system|user|assistant|tool> <text>
@@ -128,9 +129,11 @@ class Modelfile:
     license: list[str] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     adapters: list[str] = field(default_factory=list)
+    # FROMs after the first: multimodal projectors (Ollama's way of adding one)
+    projectors: list[str] = field(default_factory=list)
 
     def render(self) -> str:
-        lines = [f"FROM {self.from_}"]
+        lines = [f"FROM {self.from_}", *(f"FROM {p}" for p in self.projectors)]
         if self.template is not None:
             lines.append(f'TEMPLATE """{self.template}"""')
         if self.system is not None:
@@ -205,7 +208,10 @@ def _apply(mf: Modelfile, command: str, value: str, lineno: int) -> None:
     if command == "FROM":
         if not value:
             raise ModelfileError(f"line {lineno}: FROM needs a model, a file or a digest")
-        mf.from_ = value
+        if mf.from_:
+            mf.projectors.append(value)
+        else:
+            mf.from_ = value
     elif command == "PARAMETER":
         name, _, raw = value.partition(" ")
         raw = _unquote(raw.strip(), lineno)

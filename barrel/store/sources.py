@@ -148,7 +148,14 @@ def _hf_tree(repo: str, registries: Registries) -> list[dict[str, Any]]:
     return [f for f in files if isinstance(f, dict) and str(f.get("path", "")).endswith(".gguf")]
 
 
-def _hf_artifact(repo: str, entry: dict[str, Any], registries: Registries) -> Artifact:
+def _is_projector(entry: dict[str, Any]) -> bool:
+    """Hugging Face repositories ship a vision projector beside the model as mmproj-*.gguf."""
+    return "mmproj" in Path(str(entry["path"])).name.lower()
+
+
+def _hf_artifact(
+    repo: str, entry: dict[str, Any], registries: Registries, media_type: str = mt.MODEL
+) -> Artifact:
     path = str(entry["path"])
     url = f"{registries.huggingface.rstrip('/')}/{repo}/resolve/main/{urllib.parse.quote(path)}"
     lfs = entry.get("lfs") or {}
@@ -157,7 +164,7 @@ def _hf_artifact(repo: str, entry: dict[str, Any], registries: Registries) -> Ar
         parse_digest(digest)
     size = lfs.get("size", entry.get("size"))
     return Artifact(
-        url, mt.MODEL, digest, int(size) if size is not None else None, digest or _url_key(url)
+        url, media_type, digest, int(size) if size is not None else None, digest or _url_key(url)
     )
 
 
@@ -169,7 +176,9 @@ def _hf_repo(text: str, registries: Registries) -> PullPlan:
         raise InvalidRequest(f"{text}: expected hf.co/<org>/<repo>[:<quant>]")
     repo = f"{parts[1]}/{parts[2]}"
     name = ModelName.parse(f"hf.co/{repo}:{quant or 'latest'}")
-    files = _hf_tree(repo, registries)
+    tree = _hf_tree(repo, registries)
+    files = [f for f in tree if not _is_projector(f)]
+    projectors = sorted((f for f in tree if _is_projector(f)), key=_projector_rank)
     if not files:
         raise NotFound(f"hf.co/{repo} has no GGUF file")
     wanted = (quant or DEFAULT_QUANT).lower()
@@ -181,7 +190,16 @@ def _hf_repo(text: str, registries: Registries) -> PullPlan:
         raise NotFound(f"hf.co/{repo} has no {wanted} GGUF file (it has: {choices})")
     # split files (-00001-of-0000N) are not supported: take the single-file match
     chosen = sorted(matches, key=lambda f: str(f["path"]))[0]
-    return PullPlan(name, [_hf_artifact(repo, chosen, registries)])
+    artifacts = [_hf_artifact(repo, chosen, registries)]
+    if projectors:  # the model reads images: its projector comes with it
+        artifacts.append(_hf_artifact(repo, projectors[0], registries, mt.PROJECTOR))
+    return PullPlan(name, artifacts)
+
+
+def _projector_rank(entry: dict[str, Any]) -> tuple[int, str]:
+    """f16 first (the usual published precision), then by name."""
+    name = str(entry["path"]).lower()
+    return (0 if "f16" in name else 1, name)
 
 
 def _hf_file(text: str, registries: Registries) -> PullPlan:

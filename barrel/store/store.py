@@ -47,6 +47,7 @@ class ModelRecord:
     license: list[str] = field(default_factory=list)
     model_path: Path | None = None
     adapter_paths: list[Path] = field(default_factory=list)
+    projector_path: Path | None = None
 
     @property
     def size(self) -> int:
@@ -69,7 +70,15 @@ class ModelRecord:
             license=list(self.license),
             messages=list(self.messages),
             adapters=[str(p) for p in self.adapter_paths],
+            projectors=[str(self.projector_path)] if self.projector_path else [],
         )
+
+    @property
+    def capabilities(self) -> list[str]:
+        caps: list[str] = list(self.meta.get("capabilities", []))
+        if self.projector_path is not None and "vision" not in caps:
+            caps.append("vision")
+        return caps
 
 
 def details_of(config: dict[str, Any]) -> dict[str, Any]:
@@ -173,6 +182,8 @@ class ModelStore:
                 rec.model_path = self.blobs.path(layer.digest)
             elif kind == mt.ADAPTER:
                 rec.adapter_paths.append(self.blobs.path(layer.digest))
+            elif kind == mt.PROJECTOR:
+                rec.projector_path = self.blobs.path(layer.digest)
             elif kind == mt.PARAMS:
                 rec.parameters = self._json_blob(layer.digest, {})
             elif kind == mt.TEMPLATE:
@@ -262,8 +273,11 @@ class ModelStore:
         config: Layer | None = None
         if files:
             ggufs = [d for f, d in files.items() if f.endswith(".gguf")] or list(files.values())
+            projectors = [d for d in ggufs if self._is_projector(d)]
+            ggufs = [d for d in ggufs if d not in projectors]
             if len(ggufs) != 1:
-                raise InvalidRequest("exactly one GGUF file is needed in 'files'")
+                raise InvalidRequest("exactly one model GGUF file is needed in 'files'")
+            spec.projectors = [*projectors, *spec.projectors]
             model, config = self.model_layer(ggufs[0])
         elif spec.from_.startswith("sha256"):
             parse_digest(spec.from_)
@@ -280,7 +294,15 @@ class ModelStore:
 
         layers: list[Layer] = []
         if base is not None:
-            inherited = {mt.MODEL, mt.ADAPTER, mt.TEMPLATE, mt.SYSTEM, mt.LICENSE, mt.MESSAGES}
+            inherited = {
+                mt.MODEL,
+                mt.ADAPTER,
+                mt.PROJECTOR,
+                mt.TEMPLATE,
+                mt.SYSTEM,
+                mt.LICENSE,
+                mt.MESSAGES,
+            }
             layers = [la for la in base.manifest.layers if la.mediaType in inherited]
             config = base.manifest.config
         else:
@@ -290,15 +312,20 @@ class ModelStore:
         params = dict(base.parameters) if base else {}
         params.update(normalize_parameters(spec.parameters))
         for adapter in spec.adapters:
-            if adapter.startswith("sha256"):
-                digest = adapter
-            else:
-                path = self.import_path(adapter)
-                with path.open("rb") as f:
-                    digest = self.blobs.put_stream(iter(lambda: f.read(1 << 20), b""))
-            if not self.blobs.has(digest):
-                raise NotFound(f"adapter blob {digest} not found")
+            digest = self._blob_of(adapter, "adapter")
             layers.append(Layer(mt.ADAPTER, digest, self.blobs.size(digest)))
+        if len(spec.projectors) > 1:
+            raise ModelfileError("at most one projector (a second FROM) is allowed")
+        for projector in spec.projectors:
+            digest = self._blob_of(projector, "projector")
+            info = read_gguf(self.blobs.path(digest))
+            if info.architecture != "clip":
+                raise ModelfileError(
+                    f"a second FROM must be a multimodal projector GGUF (architecture "
+                    f"clip), not {info.architecture or 'unknown'}"
+                )
+            layers[:] = [la for la in layers if la.mediaType != mt.PROJECTOR]
+            layers.append(Layer(mt.PROJECTOR, digest, self.blobs.size(digest)))
 
         def replace(media_type: str, layer: Layer | None) -> None:
             layers[:] = [la for la in layers if la.mediaType != media_type]
@@ -316,6 +343,28 @@ class ModelStore:
             layers += [self._text_layer(mt.LICENSE, text) for text in spec.license]
         replace(mt.PARAMS, self._json_layer(mt.PARAMS, params) if params else None)
         return self.manifests.write(name, Manifest(config, layers))
+
+    def _is_projector(self, digest: str) -> bool:
+        parse_digest(digest)
+        if not self.blobs.has(digest):
+            return False
+        try:
+            return read_gguf(self.blobs.path(digest)).architecture == "clip"
+        except Exception:  # noqa: BLE001 - not a GGUF: model_layer says why
+            return False
+
+    def _blob_of(self, ref: str, what: str) -> str:
+        """The blob a Modelfile line names: a digest already stored, or a file imported."""
+        if ref.startswith("sha256"):
+            digest = ref
+            parse_digest(digest)
+        else:
+            path = self.import_path(ref)
+            with path.open("rb") as f:
+                digest = self.blobs.put_stream(iter(lambda: f.read(1 << 20), b""))
+        if not self.blobs.has(digest):
+            raise NotFound(f"{what} blob {digest} not found")
+        return digest
 
     def copy(self, source: str, destination: str) -> None:
         src, dst = ModelName.parse(source), ModelName.parse(destination)

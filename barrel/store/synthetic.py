@@ -65,6 +65,19 @@ def _tokenizer_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
 Tweak = Callable[[gguf.GGUFWriter, list[str]], None]
 
 
+def _finish(w: gguf.GGUFWriter, tmp: Path, path: Path) -> Path:
+    """Write the file under `tmp`, then move it to `path` (no half-written file there)."""
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def write_tiny_gguf(
     path: Path, source: Path, shape: TinyShape = TinyShape(), tweak: Tweak | None = None
 ) -> Path:
@@ -141,15 +154,7 @@ def write_tiny_gguf(
         w.add_tensor("cls.output.weight", weight(2, shape.n_embd))
     if tweak is not None:
         tweak(w, list(tokens))
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return _finish(w, tmp, path)
 
 
 # How llama.cpp's conversion of Qwen3-Reranker lays out a (query, document) pair.
@@ -225,3 +230,84 @@ def write_small_gguf(path: Path, padding_bytes: int = 0, seed: int = 5) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+@dataclass(frozen=True)
+class ProjectorShape:
+    """A LLaVA-style CLIP projector ("mlp") sized for the tiny model: a 32x32 image in
+    8x8 patches is 16 image tokens of the text model's width."""
+
+    image_size: int = 32
+    patch_size: int = 8
+    n_embd: int = 32
+    n_head: int = 2
+    n_ff: int = 48
+    n_layer: int = 2
+    seed: int = 4321
+
+    def key(self, text: TinyShape) -> str:
+        return hashlib.sha256(repr((self, text.n_embd)).encode()).hexdigest()[:12]
+
+
+def write_tiny_projector(
+    path: Path, shape: ProjectorShape = ProjectorShape(), text: TinyShape = TinyShape()
+) -> Path:
+    """Write a random-weight vision projector for the tiny model (atomically)."""
+    rng = np.random.default_rng(shape.seed)
+
+    def weight(*dims: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(dims, dtype=np.float32) * scale).astype(np.float32)
+
+    d, ff = shape.n_embd, shape.n_ff
+    n_pos = (shape.image_size // shape.patch_size) ** 2
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(tmp, "clip")
+    w.add_name("barrel-tiny-projector")
+    w.add_type("mmproj")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", "mlp")
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32("clip.vision.image_size", shape.image_size)
+    w.add_uint32("clip.vision.patch_size", shape.patch_size)
+    w.add_uint32("clip.vision.embedding_length", d)
+    w.add_uint32("clip.vision.feed_forward_length", ff)
+    w.add_uint32("clip.vision.block_count", shape.n_layer)
+    w.add_uint32("clip.vision.projection_dim", text.n_embd)
+    w.add_uint32("clip.vision.attention.head_count", shape.n_head)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    p = shape.patch_size
+    w.add_tensor("v.patch_embd.weight", weight(d, 3, p, p).astype(np.float16))
+    w.add_tensor("v.position_embd.weight", weight(n_pos, d))
+    for i in range(shape.n_layer):
+        b = f"v.blk.{i}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{b}.{name}.weight", weight(d, d).astype(np.float16))
+            w.add_tensor(f"{b}.{name}.bias", np.zeros(d, dtype=np.float32))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"{b}.{name}.weight", np.ones(d, dtype=np.float32))
+            w.add_tensor(f"{b}.{name}.bias", np.zeros(d, dtype=np.float32))
+        w.add_tensor(f"{b}.ffn_up.weight", weight(ff, d).astype(np.float16))
+        w.add_tensor(f"{b}.ffn_up.bias", np.zeros(ff, dtype=np.float32))
+        w.add_tensor(f"{b}.ffn_down.weight", weight(d, ff).astype(np.float16))
+        w.add_tensor(f"{b}.ffn_down.bias", np.zeros(d, dtype=np.float32))
+    w.add_tensor("mm.0.weight", weight(text.n_embd, d).astype(np.float16))
+    w.add_tensor("mm.0.bias", np.zeros(text.n_embd, dtype=np.float32))
+    w.add_tensor("mm.2.weight", weight(text.n_embd, text.n_embd, scale=1.0).astype(np.float16))
+    w.add_tensor("mm.2.bias", np.zeros(text.n_embd, dtype=np.float32))
+    return _finish(w, tmp, path)
+
+
+def tiny_projector(
+    shape: ProjectorShape = ProjectorShape(),
+    text: TinyShape = TinyShape(),
+    dest: Path | None = None,
+) -> Path:
+    """The cached projector for the tiny model, built on first use."""
+    directory = dest or bundled.cache_dir()
+    path = directory / f"barrel-tiny-mmproj-{shape.key(text)}.gguf"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_tiny_projector(path, shape, text)
