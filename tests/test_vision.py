@@ -23,7 +23,12 @@ from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import GREEDY, GenerationRequest
 from barrel.engine.vision import is_placeholder
-from barrel.store.synthetic import ProjectorShape, tiny_projector
+from barrel.store.synthetic import (
+    ProjectorShape,
+    TinyShape,
+    tiny_projector,
+    write_tiny_projector,
+)
 from tests.daemon import Daemon, serve_models
 from tests.images import BLUE, RED, data_url, solid_png
 from tests.registry_server import RegistryServer
@@ -337,7 +342,7 @@ def test_bad_images_are_a_400_before_any_work(daemon: Daemon, registry: Registry
 
 
 def test_a_modelfile_second_from_adds_a_projector(
-    daemon: Daemon, projector: Path, tiny_path: Path
+    daemon: Daemon, projector: Path, tiny_path: Path, tmp_path: Path
 ) -> None:
     client = _ollama(daemon)
     data = projector.read_bytes()
@@ -374,6 +379,20 @@ def test_a_modelfile_second_from_adds_a_projector(
     )
     assert r.status_code == 400, r.text
     assert "projector" in r.json()["error"]
+    # a projector made for another model (its image embeddings are 32 wide, not 64) is
+    # tried beside the model in a child process first, and refused
+    wrong = write_tiny_projector(tmp_path / "wrong.gguf", text=TinyShape(n_embd=32))
+    data = wrong.read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    assert httpx.post(f"{daemon.url}/api/blobs/{digest}", content=data, timeout=60).is_success
+    r = httpx.post(
+        daemon.url + "/api/create",
+        json={"model": "tiny-wrong", "modelfile": f"FROM tiny\nFROM {digest}\n", "stream": False},
+        timeout=120,
+    )
+    assert r.status_code == 400, r.text
+    assert "cannot be loaded" in r.json()["error"]
+    assert "tiny-wrong" not in [m.model for m in client.list().models]
 
 
 def test_projectors_come_with_registry_and_hugging_face_pulls(

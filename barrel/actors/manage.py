@@ -33,6 +33,7 @@ from barrel.errors import BarrelError, InvalidRequest, NotFound, Unavailable
 from barrel.futures import ToLoop
 from barrel.store import modelfile as mf
 from barrel.store.download import open_url
+from barrel.store.manifests import MODEL as MODEL_LAYER
 from barrel.store.names import ModelName, parse_digest
 from barrel.store.sources import check_source
 from barrel.store.store import ModelRecord, ModelStore, details_of, modified_iso
@@ -238,12 +239,27 @@ class ModelManager:
         if spec.from_ and mf.looks_like_path(spec.from_):
             spec.from_ = self._import(spec.from_)
         spec.adapters = [a if a.startswith("sha256") else self._import(a) for a in spec.adapters]
+        spec.projectors = [
+            p if p.startswith("sha256") else self._import(p) for p in spec.projectors
+        ]
+        projectors = list(spec.projectors)
+        model: str | None = None
         if files:
             ggufs = [d for f, d in files.items() if f.endswith(".gguf")] or list(files.values())
-            if len(ggufs) == 1:
-                self.store.check_loadable(ggufs[0])
+            projectors += [d for d in ggufs if self.store.is_projector(d)]
+            models = [d for d in ggufs if d not in projectors]
+            model = models[0] if len(models) == 1 else None
         elif spec.from_.startswith("sha256"):
-            self.store.check_loadable(spec.from_)
+            model = spec.from_
+        elif projectors:
+            base = self.store.get(spec.from_)
+            model = next(
+                (la.digest for la in base.manifest.layers if la.mediaType == MODEL_LAYER), None
+            )
+        if model is not None:
+            self.store.check_loadable(model)
+            for projector in projectors:
+                self.store.check_projector(model, projector)
         return spec
 
     def _import(self, text: str) -> str:

@@ -1,5 +1,6 @@
-"""`python -m barrel.engine.trial [--embedding] PATH`: load a model the way the engine
-does, tokenize, and decode one batch; exit 0 when all of it worked.
+"""`python -m barrel.engine.trial [--embedding] [--mmproj PROJECTOR] PATH`: load a model
+the way the engine does, tokenize, and decode one batch (and with a projector, load it
+and encode an image); exit 0 when all of it worked.
 
 llama.cpp aborts the whole process on some malformed models (a GGML_ASSERT on a
 duplicate vocabulary entry, a tensor of the wrong shape). New files are tried here, in a
@@ -10,16 +11,18 @@ the child.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import llama_cpp as ll
 
 from barrel.engine.context import Batch, EngineOptions, new_context
 from barrel.engine.model import LlamaModel
+from barrel.engine.vision import Projector, solid_png
 
 N_CTX = 64
 
 
-def trial(path: str, embedding: bool) -> None:
+def trial(path: str, embedding: bool, mmproj: str | None = None) -> None:
     model = LlamaModel.load(path)
     opts = EngineOptions(
         n_ctx=N_CTX,
@@ -39,10 +42,17 @@ def trial(path: str, embedding: bool) -> None:
     if tokens and ll.llama_decode(ctx, batch.raw) != 0:
         raise SystemExit("llama_decode failed on the first batch")
     batch.free()
+    if mmproj is not None:
+        projector = Projector(Path(mmproj), model, threads=1, use_gpu=False)
+        [piece] = projector.images([solid_png((200, 30, 30))])
+        projector.encode(piece.media)
+        del piece
+        projector.close()
     ll.llama_free(ctx)
     model.free()
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    trial(args[-1], "--embedding" in args)
+    projector = args[args.index("--mmproj") + 1] if "--mmproj" in args else None
+    trial(args[-1], "--embedding" in args, projector)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import struct
 import threading
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +166,12 @@ class Projector:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)
 
+    def encode(self, media: Media) -> None:
+        """Run the projector on an image without a text context (trial loads)."""
+        status = mtmd.mtmd_encode_chunk(self.ctx, media.chunk)
+        if status != 0:
+            raise RuntimeError(f"encoding an image failed with status {status}")
+
     def evaluate(self, lctx: Any, media: Media, n_past: int, seq: int, n_batch: int) -> int:
         """Engine thread: encode the image and decode it into `seq` at `n_past`. Returns
         the positions it took."""
@@ -174,6 +182,24 @@ class Projector:
         if status != 0:
             raise RuntimeError(f"evaluating an image failed with status {status}")
         return int(new_n_past.value) - n_past
+
+
+def solid_png(rgb: tuple[int, int, int], width: int = 24, height: int = 24) -> bytes:
+    """A PNG of one colour (8-bit RGB), written by hand: trial loads and tests need an
+    image without an imaging library."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    row = b"\x00" + bytes(rgb) * width
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(row * height))
+        + chunk(b"IEND", b"")
+    )
 
 
 def load_projector(path: Path, model: LlamaModel, *, threads: int, use_gpu: bool) -> Projector:

@@ -100,4 +100,7 @@ def _local_manifest(store: ModelStore, plan: PullPlan, layers: list[Layer]) -> M
         raise ValueError(f"{plan.name}: the source has no model layer")
     _, config = store.model_layer(model.digest)
     store.check_loadable(model.digest)
+    for layer in layers:
+        if layer.mediaType == mt.PROJECTOR:
+            store.check_projector(model.digest, layer.digest)
     return Manifest(config, [la for la in layers if la.mediaType != mt.CONFIG])

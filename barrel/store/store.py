@@ -137,6 +137,7 @@ class ModelStore:
         self._writing: set[Path] = set()
         # Model blobs that a trial load in a child process accepted (barrel.store.trial).
         self._loadable: set[str] = set()
+        self._loadable_pairs: set[tuple[str, str]] = set()  # (model, projector)
         self.trial_load = trial_load
 
     @contextlib.contextmanager
@@ -247,6 +248,23 @@ class ModelStore:
         trial_load(path, embedding=info.is_embedding_model)
         self._loadable.add(digest)
 
+    def check_projector(self, model: str, projector: str) -> None:
+        """A projector blob must be a clip GGUF that loads beside its model and encodes
+        an image, in a child process, before a manifest names the pair (slow: a worker
+        thread)."""
+        parse_digest(projector)
+        if not self.blobs.has(projector):
+            raise NotFound(f"projector blob {projector} not found; upload it first")
+        if not self.is_projector(projector):
+            raise InvalidRequest(
+                "a projector (a second FROM, an mmproj file) must be a multimodal projector "
+                "GGUF (architecture clip)"
+            )
+        if (model, projector) in self._loadable_pairs or not self.trial_load:
+            return
+        trial_load(self.blobs.path(model), mmproj=self.blobs.path(projector))
+        self._loadable_pairs.add((model, projector))
+
     def import_path(self, text: str) -> Path:
         """A FROM path, which must stay inside the import directory."""
         candidate = Path(text)
@@ -273,7 +291,7 @@ class ModelStore:
         config: Layer | None = None
         if files:
             ggufs = [d for f, d in files.items() if f.endswith(".gguf")] or list(files.values())
-            projectors = [d for d in ggufs if self._is_projector(d)]
+            projectors = [d for d in ggufs if self.is_projector(d)]
             ggufs = [d for d in ggufs if d not in projectors]
             if len(ggufs) != 1:
                 raise InvalidRequest("exactly one model GGUF file is needed in 'files'")
@@ -344,7 +362,7 @@ class ModelStore:
         replace(mt.PARAMS, self._json_layer(mt.PARAMS, params) if params else None)
         return self.manifests.write(name, Manifest(config, layers))
 
-    def _is_projector(self, digest: str) -> bool:
+    def is_projector(self, digest: str) -> bool:
         parse_digest(digest)
         if not self.blobs.has(digest):
             return False

@@ -21,11 +21,18 @@ logger = logging.getLogger(__name__)
 TRIAL_TIMEOUT_S = 300.0
 
 
-def trial_load(path: Path, *, embedding: bool = False, timeout: float = TRIAL_TIMEOUT_S) -> None:
-    """Raise InvalidGGUF (400) when the file cannot be loaded and run; the message names
-    no server path."""
+def trial_load(
+    path: Path,
+    *,
+    embedding: bool = False,
+    mmproj: Path | None = None,
+    timeout: float = TRIAL_TIMEOUT_S,
+) -> None:
+    """Raise InvalidGGUF (400) when the file (with its projector) cannot be loaded and
+    run; the message names no server path."""
     argv = [sys.executable, "-m", "barrel.engine.trial"]
     argv += ["--embedding"] if embedding else []
+    argv += ["--mmproj", str(mmproj)] if mmproj is not None else []
     try:
         done = subprocess.run(
             [*argv, str(path)],
