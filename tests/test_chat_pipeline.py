@@ -310,3 +310,34 @@ async def test_a_cache_breakpoint_pins_up_to_its_message(tiny: Setup) -> None:
     events = [e async for e in run(tiny.engine, req, prep)]
     assert isinstance(events[-1], Finished)
     assert any(p.tokens == prep.prompt[: prep.static_prefix] for p in tiny.engine.kv.pins)
+
+
+def test_the_head_is_rendered_once_per_conversation(tiny: Setup) -> None:
+    """A follow-up turn renders the conversation, not its system + tools head again: the
+    head's tokens are kept by what was rendered."""
+    template = ChatTemplate(tiny.model.meta("tokenizer.chat_template") or "")
+    system = {"role": "system", "content": "You forecast the weather. " * 8}
+    renders: list[int] = []
+    original = template.render
+
+    def counting(messages: Any, *args: Any, **kwargs: Any) -> str:
+        renders.append(len(messages))
+        return original(messages, *args, **kwargs)
+
+    template.render = counting  # type: ignore[method-assign]
+    firsts = []
+    for question in ("Weather in Oslo?", "Weather in Lima?", "Weather in Oslo?"):
+        req = ChatRequest([system, *user(question)], tools=[WEATHER], max_tokens=4)
+        prep = prepare(req, template, tiny.model.tokenize, tiny.family)
+        firsts.append(prep.static_prefix)
+    assert renders == [2, 1, 2, 2]  # the head (1 message) once, then whole prompts only
+    assert firsts[0] == firsts[1] == firsts[2] >= 64
+    other = {"role": "system", "content": "You forecast the tides. " * 8}
+    prep = prepare(
+        ChatRequest([other, *user("Hi")], tools=[WEATHER]),
+        template,
+        tiny.model.tokenize,
+        tiny.family,
+    )
+    assert renders[-2:] == [2, 1]  # another head is rendered
+    assert prep.static_prefix >= 32

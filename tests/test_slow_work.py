@@ -75,19 +75,22 @@ async def test_a_large_import_does_not_stall_chat_on_a_store_model(
                     return lines
 
             started = asyncio.Event()
+            began = time.perf_counter()
             creating = asyncio.create_task(create_big())
             await started.wait()  # the import is under way
             during = await _round(http, daemon.url)
             overlapped = not creating.done()
             lines = await creating
+            importing = time.perf_counter() - began
             after = await _round(http, daemon.url)
         assert lines[-1] == {"status": "success"}, lines
         assert overlapped, "the import ended before the chats: make it bigger"
-        # typical requests keep their speed, and none waits for the import (a stalled one
-        # waits the whole hashing, seconds, against tens of milliseconds at worst before)
+        # typical requests keep their speed, and none waits for the import: a stalled one
+        # would wait for the rest of the hashing, seconds (bounds relative to the import
+        # itself, so that a busy box's hiccup of a few hundred ms does not count)
         typical = max(statistics.median(before), statistics.median(after))
-        assert statistics.median(during) <= 2 * typical, (before, during, after)
-        assert max(during) <= 10 * max(*before, *after), (before, during, after)
+        assert statistics.median(during) <= 3 * typical, (before, during, after)
+        assert max(during) < importing / 4, (during, importing)
         assert daemon.proc.poll() is None
     finally:
         daemon.kill()

@@ -219,6 +219,9 @@ class Engine:
         self._runs: dict[RequestId, Run] = {}
         self._dirty: dict[RequestId, Run] = {}  # runs with events to deliver this step
         self._pinning: list[_PinJob] = []
+        # finished sequences to extend with their template's next-turn tokens while idle:
+        # (slot, its length when the answer ended, tokens)
+        self._turns: deque[tuple[Slot, int, list[int]]] = deque(maxlen=opts.n_seq_max)
         self._pin_entries: list[tuple[_PinJob, int]] = []
         self.crashed: BaseException | None = None
         self.steps = 0  # decode steps done
@@ -414,6 +417,8 @@ class Engine:
                 self._admit()
                 if self._active or self._pinning:
                     self._step()
+                elif self._turns and not self._waiting:
+                    self._continue_turn()
             self._fail_all(EngineStopped(f"engine {self.name} stopped", retry_after=1.0))
         except BaseException as exc:
             logger.exception("engine %s crashed", self.name)
@@ -446,7 +451,7 @@ class Engine:
             self._fail_all(error)
 
     def _has_work(self) -> bool:
-        if self._pinning or (self._waiting and self.kv.free_slots()):
+        if self._pinning or self._turns or (self._waiting and self.kv.free_slots()):
             return True
         return any(self._runnable(r) for r in self._active)
 
@@ -811,7 +816,40 @@ class Engine:
         done = run.finish(reason, stop)
         self._dirty[run.id] = run
         self.observer.finished(done)
+        if reason is not FinishReason.CANCELLED and stop is None:
+            self._queue_turn(run)
         self._release(run)
+
+    def _queue_turn(self, run: Run) -> None:
+        """Remember what the next turn of this conversation will most likely start with:
+        the answer's last token (sampled, never decoded) unless it ended the turn, then
+        the template's end of turn and user header."""
+        req, slot = run.req, run.slot
+        if not req.next_turn or slot is None or not run.generated or req.lora is not None:
+            return
+        last = run.generated[-1]
+        tokens = ([] if self.model.is_eog(last) else [last]) + list(req.next_turn)
+        self._turns.append((slot, len(slot.tokens), tokens))
+
+    def _continue_turn(self) -> None:
+        """Idle: decode the newest finished sequence's next-turn tokens into it, so that a
+        follow-up prefills only the user's words and the assistant header. A sequence
+        taken or changed since is left alone; a request arriving meanwhile waits for
+        this one small decode."""
+        slot, length, tokens = self._turns.pop()
+        if slot.busy or len(slot.tokens) != length or length + len(tokens) >= self.n_ctx:
+            return
+        if self._lora_now != self._lora_default:
+            set_lora_scales(self.ctx, self._loras, self._lora_default)
+            self._lora_now = self._lora_default
+        b = self._batch
+        b.clear()
+        for j, token in enumerate(tokens):
+            b.add(token, length + j, slot.seq, j == len(tokens) - 1)
+        if ll.llama_decode(self.ctx, b.raw) != 0:
+            ll.llama_memory_seq_rm(self.kv.mem, slot.seq, length, -1)
+            return
+        slot.tokens.extend(tokens)
 
     def _release(self, run: Run) -> None:
         """Park the run's sequence for reuse and forget the run."""

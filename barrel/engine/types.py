@@ -79,6 +79,11 @@ class GenerationRequest:
     lora: tuple[float, ...] | None = None
     # The images whose placeholders are in `prompt` (barrel.engine.vision).
     media: tuple[Media, ...] = ()
+    # What the chat template puts after this answer before the next user's words (its
+    # end of turn and the user header), as tokens: once the answer ends, the engine
+    # decodes them into the parked sequence while it has nothing else to do, and the
+    # follow-up turn prefills only its own words (Engine._continue_turn).
+    next_turn: tuple[int, ...] = ()
 
 
 class FinishReason(StrEnum):

@@ -127,6 +127,8 @@ class Prepared:
     preserve: frozenset[int] = frozenset()
     # the images whose placeholders are in the prompt (barrel.engine.vision)
     media: tuple[Media, ...] = ()
+    # the template's end of turn and next user header (GenerationRequest.next_turn)
+    next_turn: tuple[int, ...] = ()
 
 
 def _tool_names(tools: list[dict[str, Any]]) -> list[str]:
@@ -252,6 +254,9 @@ def prepare(
         tool_names=tuple(_tool_names(tools)),
         render_s=render_s,
         media=tuple(media.values()),
+        next_turn=tuple(tokenize_as(template.next_turn, False, True))
+        if template.next_turn and tokenize_as is not None
+        else (),
     )
 
 
@@ -393,10 +398,20 @@ def _static_prefix(
     if not tools and not head:
         return 0
     try:
-        text = template.render(head, tools or None, add_generation_prompt=False, **kwargs)
-    except InvalidRequest:
-        return 0  # templates that insist on a user turn have no separable head
-    return common_prefix(tokenize(text), prompt)
+        vocabulary = id(getattr(tokenize, "__self__", tokenize))  # one template, one model
+        key = json.dumps([vocabulary, head, tools, kwargs], sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        key = ""
+    tokens = template.heads.get(key) if key else None
+    if tokens is None:
+        try:
+            text = template.render(head, tools or None, add_generation_prompt=False, **kwargs)
+        except InvalidRequest:
+            return 0  # templates that insist on a user turn have no separable head
+        tokens = tokenize(text)
+        if key:
+            template.heads.put(key, tokens)
+    return common_prefix(tokens, prompt)
 
 
 async def run(
@@ -466,6 +481,7 @@ async def run(
         lora=req.lora,
         ignore_eos=req.ignore_eos,
         media=prep.media,
+        next_turn=prep.next_turn,
     )
     stream = engine.submit(gen)
     calls = 0

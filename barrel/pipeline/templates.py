@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
@@ -112,6 +114,35 @@ _PROBE_TOOLS = [
 ]
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+HEADS_KEPT = 32
+
+
+class Lru(Generic[K, V]):
+    """A small least-recently-used map, safe from several threads (renders run in
+    worker threads)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[K, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
 class ChatTemplate:
     """A compiled template plus what it can take, found by probing it once (as llama.cpp
     does): whether it accepts a system message, and whether tool-call arguments must be
@@ -132,6 +163,9 @@ class ChatTemplate:
         # A TEMPLATE is client input: each render (and the probes together) gets this long.
         self.render_budget_s = render_budget_s
         self._template = _compile(source)
+        # the tokens of rendered system + tools heads, by what was rendered (a conversation
+        # renders the same head every turn: barrel.pipeline.chat._static_prefix)
+        self.heads: Lru[str, list[int]] = Lru(HEADS_KEPT)
         try:
             with budget(render_budget_s):
                 self._probe()
@@ -152,6 +186,24 @@ class ChatTemplate:
             [_PROBE_USER, _PROBE_CALL], _PROBE_TOOLS
         ) or not self._renders([_PROBE_USER, _string_arguments(_PROBE_CALL)], _PROBE_TOOLS)
         self.renders_tools = self._shows_tools()
+        self.next_turn = self._next_turn()
+
+    def _next_turn(self) -> str:
+        """The text the template puts between an assistant's answer and the next user's
+        words (ChatML: `<|im_end|>\n<|im_start|>user\n`); "" when the template does not
+        render such a conversation plainly. The engine prefills it into a finished
+        sequence while idle (GenerationRequest.next_turn)."""
+        answer, question = "BarrelProbeAnswer", "BarrelProbeQuestion"
+        turns = [_PROBE_USER, {"role": "assistant", "content": answer}]
+        try:
+            text = self._render([*turns, {"role": "user", "content": question}], None, False, {})
+        except Exception:  # noqa: BLE001 - a probe: any failure means "not like this"
+            return ""
+        start, end = text.find(answer), text.find(question)
+        if start < 0 or end < start + len(answer) or text.count(answer) != 1:
+            return ""
+        between = text[start + len(answer) : end]
+        return between if len(between) <= 64 else ""
 
     def _shows_tools(self) -> bool:
         """Whether the tool definitions reach the prompt at all (some templates take

@@ -1,0 +1,139 @@
+"""A follow-up turn prefills only its own words: once an answer ends, the engine decodes
+the chat template's end of turn and next user header into the parked sequence while it
+is idle (GenerationRequest.next_turn), so the next request finds them in the KV cache."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import openai
+import pytest
+
+from barrel.engine.engine import Engine, EngineOptions
+from barrel.engine.model import LlamaModel
+from barrel.engine.types import GREEDY, GenerationRequest
+from barrel.pipeline.templates import ChatTemplate
+from tests.daemon import Daemon, serve_models
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path: Path) -> Iterator[LlamaModel]:
+    m = LlamaModel.load(tiny_path)
+    yield m
+    m.free()
+
+
+def test_the_template_says_what_follows_an_answer(model: LlamaModel) -> None:
+    qwen = ChatTemplate(model.meta("tokenizer.chat_template") or "")
+    assert qwen.next_turn == "<|im_end|>\n<|im_start|>user\n"
+    llama3 = ChatTemplate(
+        "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+        "{{ m.content }}<|eot_id|>{% endfor %}"
+    )
+    assert llama3.next_turn == "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+    assert ChatTemplate("{{ messages[-1].content }}").next_turn == ""  # answers not shown
+
+
+async def _until(check: object, timeout: float = 30.0) -> None:
+    """Wait for the engine thread to have done something (a safety-net timeout)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():  # type: ignore[operator]
+        assert loop.time() < deadline, "the engine did not get there"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("max_tokens", [6, None])  # cut by length; ended by the model
+async def test_the_follow_up_prefills_only_its_own_words(
+    model: LlamaModel, max_tokens: int | None
+) -> None:
+    e = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=1)).start()
+    try:
+        head = model.tokenize("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
+        turn = model.tokenize("<|im_end|>\n<|im_start|>user\n", add_special=False)
+        end = model.token_id("<|im_end|>")
+        assert end is not None
+        # None: the model ends its turn (the end-of-turn token forced at once)
+        sampling = GREEDY if max_tokens else msgspec.structs.replace(GREEDY, logit_bias={end: 50.0})
+        first = GenerationRequest(head, sampling, max_tokens=max_tokens or 8, next_turn=tuple(turn))
+        _, done = await e.submit(first).collect()
+        answer = [t for t in done.tokens if not model.is_eog(t)]
+        slot = e.kv.slots[0]
+        await _until(lambda: len(slot.tokens) == len(head) + len(answer) + len(turn))
+        assert slot.tokens[len(head) + len(answer) :] == turn
+        words = model.tokenize("And now?<|im_end|>\n<|im_start|>assistant\n", add_special=False)
+        follow = [*head, *answer, *turn, *words]
+        _, again = await e.submit(GenerationRequest(follow, GREEDY, max_tokens=2)).collect()
+        assert again.usage.prompt_computed == len(words)
+        # without next_turn, the same conversation prefills the turn's end as well
+        e2 = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=1)).start()
+        try:
+            plain = GenerationRequest(head, sampling, max_tokens=max_tokens or 8)
+            _, done2 = await e2.submit(plain).collect()
+            assert done2.tokens == done.tokens
+            _, again2 = await e2.submit(GenerationRequest(follow, GREEDY, max_tokens=2)).collect()
+            assert again2.usage.prompt_computed == len(words) + len(turn) + (max_tokens is not None)
+            assert again2.tokens == again.tokens  # the same answer either way
+        finally:
+            await asyncio.to_thread(e2.stop)
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> Iterator[Daemon]:
+    d = serve_models(tmp_path_factory.mktemp("next-turn"), {"tiny": tiny_path})
+    yield d
+    d.kill()
+
+
+def test_a_chat_follow_up_finds_the_turn_header_cached(daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", timeout=120, max_retries=0)
+    messages: list[dict[str, str]] = [{"role": "user", "content": "Count to three."}]
+    first = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        temperature=0,
+        max_tokens=8,  # type: ignore[arg-type]
+    )
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "Again."},
+    ]
+    # the new words: "Again." and the assistant header, by the daemon's own tokenizer
+    counted = daemon_tokens(daemon, "Again.<|im_end|>\n<|im_start|>assistant\n")
+    for _ in range(50):  # the idle prefill comes right after the answer: a few tries at most
+        second = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            temperature=0,
+            max_tokens=2,  # type: ignore[arg-type]
+        )
+        assert second.usage is not None
+        details = second.usage.prompt_tokens_details
+        assert details is not None
+        computed = second.usage.prompt_tokens - (details.cached_tokens or 0)
+        if computed == counted:
+            return
+        # the follow-up overtook the idle prefill: run the first turn again and retry
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages[:1],
+            temperature=0,
+            max_tokens=8,  # type: ignore[arg-type]
+        )
+    pytest.fail(f"the follow-up computed {computed} prompt tokens, not {counted}")
+
+
+def daemon_tokens(daemon: Daemon, text: str) -> int:
+    r = httpx.post(
+        daemon.url + "/tokenize",
+        json={"model": "tiny", "content": text, "add_special": False},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    return len(r.json()["tokens"])
