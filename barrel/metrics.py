@@ -165,6 +165,11 @@ class _EngineFamilies:
             "Speculative draft tokens kept (equal to the token sampled there)",
             ["model"],
         )
+        self.turn_tokens = counter(
+            "barrel_engine_next_turn_tokens",
+            "Tokens of a template's next-turn header prefilled into an idle sequence",
+            ["model"],
+        )
         self.prefill = histogram("barrel_engine_prefill_duration_seconds", "Prompt prefill time")
         self.decode = histogram("barrel_engine_decode_duration_seconds", "Generation time")
         self.ttft = histogram("barrel_engine_time_to_first_token_seconds", "Time to first token")
@@ -202,6 +207,7 @@ class EngineMetrics:
         self._kv = f.kv_cells.labels(model)
         self._drafted = f.draft_tokens.labels(model)
         self._accepted = f.draft_accepted.labels(model)
+        self._turn_tokens = f.turn_tokens.labels(model)
 
     def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
         self._step.observe(seconds)
@@ -214,6 +220,9 @@ class EngineMetrics:
     def drafted(self, drafted: int, accepted: int) -> None:
         self._drafted.inc(drafted)
         self._accepted.inc(accepted)
+
+    def next_turn(self, tokens: int) -> None:
+        self._turn_tokens.inc(tokens)
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

@@ -1,7 +1,7 @@
 """Barrel against llama.cpp's own llama-server, side by side in one run, through HTTP
 with the same client, on Qwen2.5-Coder-0.5B Q4_K_M.
 
-    .venv/bin/python -m bench.peers [--rounds 3] [--tokens 128]
+    .venv/bin/python -m bench.peers [--rounds 3] [--tokens 128] [--workloads follow-up,...]
 
 llama-server is built once from the llama.cpp vendored in the pinned llama-cpp-python
 sdist (cmake and a C++ compiler needed; cached under the models cache). It is a
@@ -10,7 +10,8 @@ context and 8 parallel sequences; requests are greedy and streamed. Rounds alter
 (barrel, llama-server, barrel, ...) after a warm-up each; medians are compared:
 
 - aggregate tokens/s at 1, 4 and 8 concurrent streams;
-- the time to first token of a follow-up turn in a ~1,500-token conversation;
+- the time to first token of a follow-up turn in a ~1,500-token conversation, asked at
+  once and asked 1 s after the answer (a person reading it);
 - a code edit (the answer repeats most of a given file), one stream, tokens/s; against
   llama-server without and with its n-gram speculation.
 """
@@ -140,8 +141,11 @@ async def throughput(session: aiohttp.ClientSession, url: str, clients: int, n: 
     return sum(r[1] for r in results) / (max(r[2] for r in results) - start)
 
 
-async def follow_up_ttft(session: aiohttp.ClientSession, url: str, round_no: int) -> float:
-    """A ~1,500-token conversation, answered turn by turn; the last turn's TTFT."""
+async def follow_up_ttft(
+    session: aiohttp.ClientSession, url: str, round_no: int, pause: float = 0.0
+) -> float:
+    """A ~1,500-token conversation, answered turn by turn; the last turn's TTFT, asked
+    `pause` seconds after the answer before it (a person reading it and typing)."""
     notes = " ".join(f"Fact {round_no}.{k}: item {k} costs {k * 3} coins." for k in range(120))
     messages = [{"role": "system", "content": f"You keep a ledger. {notes}"}]
     for turn in range(3):
@@ -149,6 +153,7 @@ async def follow_up_ttft(session: aiohttp.ClientSession, url: str, round_no: int
         _, _, _, answer = await stream(session, url, messages, 24)
         messages.append({"role": "assistant", "content": answer})
     messages.append({"role": "user", "content": "And item 50?"})
+    await asyncio.sleep(pause)
     first, _, _, _ = await stream(session, url, messages, 4)
     return first
 
@@ -191,6 +196,8 @@ async def measure(args: argparse.Namespace) -> None:
                             if "follow-up" in args.workloads:
                                 ttft = await follow_up_ttft(session, url, r)
                                 res.setdefault("follow-up TTFT ms", []).append(ttft * 1000)
+                                ttft = await follow_up_ttft(session, url, r + 100, 1.0)
+                                res.setdefault("after 1 s TTFT ms", []).append(ttft * 1000)
                         if "code-edit" in args.workloads:
                             rate = await code_edit(session, url, 256)
                             res.setdefault("code edit tok/s", []).append(rate)

@@ -5,6 +5,8 @@ is idle (GenerationRequest.next_turn), so the next request finds them in the KV 
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,42 +93,43 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> Iterato
     d.kill()
 
 
+def _turn_tokens(daemon: Daemon) -> float:
+    text = httpx.get(daemon.url + "/metrics", timeout=30).text
+    found = re.search(r'^barrel_engine_next_turn_tokens_total\{model="tiny"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_a_chat_follow_up_finds_the_turn_header_cached(daemon: Daemon) -> None:
     client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", timeout=120, max_retries=0)
     messages: list[dict[str, str]] = [{"role": "user", "content": "Count to three."}]
+    before = _turn_tokens(daemon)
     first = client.chat.completions.create(
         model="tiny",
         messages=messages,
         temperature=0,
         max_tokens=8,  # type: ignore[arg-type]
     )
+    # the user reads the answer and types: the engine, idle, prefills the turn's end
+    deadline = time.monotonic() + 60
+    while _turn_tokens(daemon) == before:
+        assert time.monotonic() < deadline, "no next-turn prefill"
+        time.sleep(0.02)
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content or ""},
         {"role": "user", "content": "Again."},
     ]
-    # the new words: "Again." and the assistant header, by the daemon's own tokenizer
-    counted = daemon_tokens(daemon, "Again.<|im_end|>\n<|im_start|>assistant\n")
-    for _ in range(50):  # the idle prefill comes right after the answer: a few tries at most
-        second = client.chat.completions.create(
-            model="tiny",
-            messages=messages,
-            temperature=0,
-            max_tokens=2,  # type: ignore[arg-type]
-        )
-        assert second.usage is not None
-        details = second.usage.prompt_tokens_details
-        assert details is not None
-        computed = second.usage.prompt_tokens - (details.cached_tokens or 0)
-        if computed == counted:
-            return
-        # the follow-up overtook the idle prefill: run the first turn again and retry
-        client.chat.completions.create(
-            model="tiny",
-            messages=messages[:1],
-            temperature=0,
-            max_tokens=8,  # type: ignore[arg-type]
-        )
-    pytest.fail(f"the follow-up computed {computed} prompt tokens, not {counted}")
+    second = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        temperature=0,
+        max_tokens=2,  # type: ignore[arg-type]
+    )
+    assert second.usage is not None
+    details = second.usage.prompt_tokens_details
+    assert details is not None
+    computed = second.usage.prompt_tokens - (details.cached_tokens or 0)
+    # only the new words: "Again." and the assistant header, by the daemon's tokenizer
+    assert computed == daemon_tokens(daemon, "Again.<|im_end|>\n<|im_start|>assistant\n")
 
 
 def daemon_tokens(daemon: Daemon, text: str) -> int:

@@ -249,6 +249,14 @@ def test_anthropic_image_blocks_base64_and_url(daemon: Daemon, registry: Registr
 
     first = ask("tiny-vision", [{"role": "user", "content": question}])
     plain = ask("tiny-vision", [{"role": "user", "content": "What is in the picture?"}])
+    counted = client.messages.count_tokens(
+        model="tiny-vision",
+        messages=[{"role": "user", "content": question}],  # type: ignore[list-item]
+    )
+    alone = client.messages.count_tokens(
+        model="tiny-vision", messages=[{"role": "user", "content": "What is in the picture?"}]
+    )
+    assert counted.input_tokens == alone.input_tokens + IMAGE_TOKENS
     assert first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0) == (
         plain.usage.input_tokens + (plain.usage.cache_read_input_tokens or 0) + IMAGE_TOKENS
     )

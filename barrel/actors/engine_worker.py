@@ -174,6 +174,10 @@ class _PinAfterFirstRequest:
         if self.inner is not None:
             self.inner.drafted(drafted, accepted)
 
+    def next_turn(self, tokens: int) -> None:
+        if self.inner is not None:
+            self.inner.next_turn(tokens)
+
     def finished(self, done: Done) -> None:
         if self.inner is not None:
             self.inner.finished(done)

@@ -96,11 +96,6 @@ class ModelSession:
         return len(self.spec.engine.loras)
 
     @property
-    def vision(self) -> bool:
-        """The model has a projector: it reads images."""
-        return self._live().projector is not None
-
-    @property
     def n_vocab(self) -> int:
         self._live()
         return self._model.n_vocab

@@ -84,6 +84,9 @@ class EngineOptions:
     # Embedding mode: the context outputs pooled embeddings instead of logits.
     embedding: bool = False
     pooling: str = "model"  # model (from the GGUF, mean if it has none) | mean | cls | last
+    # A finished conversation's sequence gets its template's next-turn header after this
+    # long without a request (Engine._continue_turn).
+    next_turn_delay_s: float = 0.2
     # A multimodal projector GGUF (barrel.engine.vision): the model then reads images.
     mmproj: Path | None = None
 

@@ -74,6 +74,9 @@ class EngineObserver(Protocol):
     def drafted(self, drafted: int, accepted: int) -> None:
         """Speculative decoding: draft tokens verified in a step, and how many were kept."""
 
+    def next_turn(self, tokens: int) -> None:
+        """A finished sequence was extended with its template's next-turn tokens."""
+
     def occupancy(self, active: int, kv_cells: int, busy_cells: int) -> None:
         """After every turn of the loop that did work, decoded or not (a cancelled
         sequence ends without a decode). `busy_cells`: those of running sequences."""
@@ -96,6 +99,9 @@ class _NoObserver:
         pass
 
     def drafted(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def next_turn(self, tokens: int) -> None:
         pass
 
 
@@ -219,9 +225,9 @@ class Engine:
         self._runs: dict[RequestId, Run] = {}
         self._dirty: dict[RequestId, Run] = {}  # runs with events to deliver this step
         self._pinning: list[_PinJob] = []
-        # finished sequences to extend with their template's next-turn tokens while idle:
-        # (slot, its length when the answer ended, tokens)
-        self._turns: deque[tuple[Slot, int, list[int]]] = deque(maxlen=opts.n_seq_max)
+        # finished sequences to extend with their template's next-turn tokens once idle
+        # for next_turn_delay_s: (slot, its length when the answer ended, tokens, when)
+        self._turns: deque[tuple[Slot, int, list[int], float]] = deque(maxlen=opts.n_seq_max)
         self._pin_entries: list[tuple[_PinJob, int]] = []
         self.crashed: BaseException | None = None
         self.steps = 0  # decode steps done
@@ -409,7 +415,7 @@ class Engine:
         try:
             while not self._stopped.is_set():
                 idle = not self._active and not self._pinning
-                self._drain(block=not self._has_work())
+                self._drain(block=not self._has_work(), timeout=self._turn_wait())
                 if idle and self._waiting and self.options.gather_s > 0:
                     self._gather(self.options.gather_s)
                 if self._stopped.is_set():
@@ -417,7 +423,7 @@ class Engine:
                 self._admit()
                 if self._active or self._pinning:
                     self._step()
-                elif self._turns and not self._waiting:
+                elif self._turns and not self._waiting and self._turn_wait() == 0.0:
                     self._continue_turn()
             self._fail_all(EngineStopped(f"engine {self.name} stopped", retry_after=1.0))
         except BaseException as exc:
@@ -450,8 +456,17 @@ class Engine:
         if self._waiting:
             self._fail_all(error)
 
+    def _turn_wait(self) -> float:
+        """Seconds until the newest finished sequence may get its next-turn tokens (how
+        long to block for commands meanwhile)."""
+        if not self._turns:
+            return 1.0
+        return max(0.0, min(1.0, self._turns[-1][3] - time.monotonic()))
+
     def _has_work(self) -> bool:
-        if self._pinning or self._turns or (self._waiting and self.kv.free_slots()):
+        if self._pinning or (self._waiting and self.kv.free_slots()):
+            return True
+        if self._turns and self._turn_wait() == 0.0:
             return True
         return any(self._runnable(r) for r in self._active)
 
@@ -463,9 +478,9 @@ class Engine:
             s.paused = False
         return not s.paused
 
-    def _drain(self, *, block: bool) -> None:
+    def _drain(self, *, block: bool, timeout: float = 1.0) -> None:
         try:
-            cmd = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+            cmd = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -829,14 +844,17 @@ class Engine:
             return
         last = run.generated[-1]
         tokens = ([] if self.model.is_eog(last) else [last]) + list(req.next_turn)
-        self._turns.append((slot, len(slot.tokens), tokens))
+        when = time.monotonic() + self.options.next_turn_delay_s
+        self._turns.append((slot, len(slot.tokens), tokens, when))
 
     def _continue_turn(self) -> None:
         """Idle: decode the newest finished sequence's next-turn tokens into it, so that a
-        follow-up prefills only the user's words and the assistant header. A sequence
-        taken or changed since is left alone; a request arriving meanwhile waits for
-        this one small decode."""
-        slot, length, tokens = self._turns.pop()
+        follow-up prefills only the user's words and the assistant header. Only after
+        `next_turn_delay_s` of quiet: a client that asks again at once (an agent, a
+        benchmark) would otherwise wait for this decode and then prefill its own words
+        in a second one, which costs more than one decode of both. A sequence taken or
+        changed since is left alone."""
+        slot, length, tokens, _ = self._turns.pop()
         if slot.busy or len(slot.tokens) != length or length + len(tokens) >= self.n_ctx:
             return
         if self._lora_now != self._lora_default:
@@ -850,6 +868,7 @@ class Engine:
             ll.llama_memory_seq_rm(self.kv.mem, slot.seq, length, -1)
             return
         slot.tokens.extend(tokens)
+        self.observer.next_turn(len(tokens))
 
     def _release(self, run: Run) -> None:
         """Park the run's sequence for reuse and forget the run."""

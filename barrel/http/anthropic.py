@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from barrel.http.codecs import anthropic as codec
-from barrel.http.generate import SseTransport, conversation_of, serve
+from barrel.http.generate import SseTransport, conversation_of, serve, with_images
 from barrel.http.keys import CONFIG, MODELS
 from barrel.http.limits import check_limits
 from barrel.pipeline import generate
@@ -34,6 +34,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     check_limits(request, body.messages, body.tools)
     limits = request.app[CONFIG].limits
     generate.check(req, limits)
+    req = await with_images(request, req)
     # counting does not wait behind generation
     async with request.app[MODELS].open(req.model, queued=False) as session:
         prepared = await generate.prepare(session, req, limits)

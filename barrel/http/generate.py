@@ -141,6 +141,18 @@ def _line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
+async def with_images(request: web.Request, req: GenerateRequest) -> GenerateRequest:
+    """`req` with its images' bytes in hand (barrel.pipeline.images). A model without a
+    projector is a 400 first, before any load or download."""
+    if not images.count(req):
+        return req
+    models = request.app[MODELS]
+    shown = await models.manage.show(req.model)
+    if "vision" not in shown.get("capabilities", []):
+        raise InvalidRequest(images.REFUSAL)
+    return await images.load(req, request.app[CONFIG].limits, models.fetch_image)
+
+
 async def serve(
     request: web.Request,
     req: GenerateRequest,
@@ -155,12 +167,7 @@ async def serve(
     limits = request.app[CONFIG].limits
     generate.check(req, limits)
     req = msgspec.structs.replace(req, scope=scope_of(request))
-    if images.count(req):
-        # a model without a projector is a 400 before any load or download
-        shown = await request.app[MODELS].manage.show(req.model)
-        if "vision" not in shown.get("capabilities", []):
-            raise InvalidRequest(images.REFUSAL)
-        req = await images.load(req, limits, request.app[MODELS].fetch_image)
+    req = await with_images(request, req)
     started = stamp.perf()
 
     def queued(position: int) -> None:
