@@ -152,6 +152,9 @@ class ModelsConfig(_Section, frozen=True):
     )
     # Local GGUF files registered at boot: name -> path (same as `--model NAME=PATH`).
     local: dict[str, str] = msgspec.field(default_factory=dict)
+    # Draft models: model name -> the name of a model of the same vocabulary that drafts
+    # tokens for it (speculative decoding; a Modelfile's PARAMETER draft_model wins).
+    drafts: dict[str, str] = msgspec.field(default_factory=dict)
     # Vision projectors of local files: name -> projector GGUF (same as `--mmproj`).
     projectors: dict[str, str] = msgspec.field(default_factory=dict)
 

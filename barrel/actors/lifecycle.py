@@ -30,7 +30,7 @@ from barrel.actors.store_actor import StoreActor
 from barrel.config import Config
 from barrel.engine.context import EngineOptions, KVType, LoraAdapter
 from barrel.engine.engine import Engine
-from barrel.errors import BarrelError, CallTimeout, NotFound, Unavailable
+from barrel.errors import BarrelError, CallTimeout, InvalidRequest, NotFound, Unavailable
 from barrel.futures import Reply, ToLoop
 from barrel.store.gguf_meta import read_gguf
 from barrel.store.names import ModelName
@@ -77,8 +77,22 @@ class Lifecycle:
     # -- resolution -------------------------------------------------------------------
 
     async def spec(self, model: str) -> ModelSpec:
-        """What loading `model` means: file, context, sequences (400/404 before any
-        slow work)."""
+        """What loading `model` means: file, context, sequences, its draft model (400/404
+        before any slow work)."""
+        spec = await self._spec_of(model)
+        draft = spec.parameters.get("draft_model") or self.config.models.drafts.get(spec.name)
+        if not draft or spec.engine.draft_model is not None:
+            return spec
+        if self.config.resolve_alias(str(draft)) == spec.name:
+            raise InvalidRequest(f"model {spec.name!r} cannot be its own draft model")
+        drafter = await self._spec_of(str(draft))
+        return dataclasses.replace(
+            spec,
+            engine=dataclasses.replace(spec.engine, draft_model=drafter.path),
+            estimate_bytes=spec.estimate_bytes + drafter.size_bytes,
+        )
+
+    async def _spec_of(self, model: str) -> ModelSpec:
         name = self.config.resolve_alias(model)
         now = time.monotonic()
         cached = self._local_specs.get(name)

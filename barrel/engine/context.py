@@ -78,6 +78,10 @@ class EngineOptions:
     speculation: str = "ngram"
     draft_max: int = 48
     draft_ngram: int = 12
+    # A draft model (a small GGUF of the same vocabulary) instead of n-gram drafts:
+    # `draft_model_tokens` greedy guesses a step (barrel.engine.draft).
+    draft_model: Path | None = None
+    draft_model_tokens: int = 8
     # A sequence whose grammar takes longer than this to sample one token ends with an
     # error (it would stall the whole batch); 0: no limit.
     grammar_sample_s: float = 0.0

@@ -37,6 +37,7 @@ from barrel.engine.context import (
     new_context,
     set_lora_scales,
 )
+from barrel.engine.draft import DraftModel, Want
 from barrel.engine.embed import compute_embeddings
 from barrel.engine.errors import (
     EngineCrashed,
@@ -46,7 +47,7 @@ from barrel.engine.errors import (
     PromptTooLong,
 )
 from barrel.engine.kvcache import Slot, StateCache
-from barrel.engine.model import LlamaModel
+from barrel.engine.model import LlamaModel, ModelOptions
 from barrel.engine.run import Run
 from barrel.engine.sampler import Sampler
 from barrel.engine.slots import SlotManager
@@ -237,11 +238,22 @@ class Engine:
         )
         self._pooled = ll.llama_model_n_cls_out(model.handle) if self.ranks else model.n_embd
         # partial KV removal (rejected drafts) needs a plain attention cache
-        self._speculate = (
-            opts.speculation == "ngram"
-            and opts.draft_max > 0
-            and not (model.swa or model.recurrent)
-        )
+        plain = not (model.swa or model.recurrent)
+        self._speculate = opts.speculation == "ngram" and opts.draft_max > 0 and plain
+        self._drafter: DraftModel | None = None
+        if opts.draft_model is not None and plain and not opts.embedding:
+            try:
+                draft = LlamaModel.load(opts.draft_model, ModelOptions(model.options.n_gpu_layers))
+                try:
+                    self._drafter = DraftModel(draft, model, opts, self.n_ctx)
+                except BaseException:
+                    draft.free()
+                    raise
+            except BaseException:
+                self._free()
+                raise
+            self._speculate = False  # the draft model drafts instead
+            logger.info("engine %s: drafting with %s", name, opts.draft_model.name)
 
     @property
     def cache(self) -> StateCache:
@@ -631,16 +643,25 @@ class Engine:
         self._lora_served[lora] = self.steps
         for run in self._active:
             run.logit_rows.clear()  # a rebuilt batch (KV full) must not count rows twice
-        for run in self._active:
-            if run.prefilling or run.pending is None or not self._runnable(run):
-                continue
-            if self._lora_of(run) != lora:
-                continue
+        generating = [
+            run
+            for run in self._active
+            if not run.prefilling
+            and run.pending is not None
+            and self._runnable(run)
+            and self._lora_of(run) == lora
+        ]
+        guesses = self._guesses(generating)
+        for run in generating:
             if b.n >= b.capacity:
                 break
             assert run.slot is not None
+            assert run.pending is not None
             index = b.add(run.pending, run.n_past, run.slot.seq, True)
-            run.draft = self._draft(run, b.capacity - b.n)
+            if self._drafter is not None:
+                run.draft = guesses.get(run.slot.seq, [])[: b.capacity - b.n]
+            else:
+                run.draft = self._draft(run, b.capacity - b.n)
             for j, token in enumerate(run.draft):
                 b.add(token, run.n_past + 1 + j, run.slot.seq, True)
             entries.append((run, index, 1))
@@ -720,6 +741,26 @@ class Engine:
             if not entries and not self._pin_entries:
                 return []
 
+    def _room(self, run: Run, room: int) -> int:
+        """Draft tokens `run` can verify: within `room`, the context and its token limit."""
+        room = min(room, self.n_ctx - run.n_past - 2)
+        if run.req.max_tokens is not None:
+            room = min(room, run.req.max_tokens - len(run.generated) - 1)
+        return room
+
+    def _guesses(self, generating: list[Run]) -> dict[int, list[int]]:
+        """The draft model's tokens for the generating sequences (none with images: the
+        draft model cannot read them), by sequence id."""
+        if self._drafter is None:
+            return {}
+        k = self.options.draft_model_tokens
+        wants = [
+            Want(run.slot.seq, [*run.req.prompt, *run.generated], self._room(run, k))
+            for run in generating
+            if run.slot is not None and not run.req.media
+        ]
+        return self._drafter.draft(wants, k)
+
     def _draft(self, run: Run, room: int) -> list[int]:
         """Draft tokens to verify after `run`'s pending token (barrel.engine.speculate),
         within the batch's `room`, the context and the request's token limit."""
@@ -733,10 +774,7 @@ class Engine:
             )
         elif len(run.drafter.history) < history:
             run.drafter.extend(run.generated[len(run.drafter.history) - history :])
-        room = min(room, self.n_ctx - run.n_past - 2)
-        if run.req.max_tokens is not None:
-            room = min(room, run.req.max_tokens - len(run.generated) - 1)
-        draft = run.drafter.draft(room)
+        draft = run.drafter.draft(self._room(run, room))
         if run.req.media:  # never an image's placeholder
             draft = list(itertools.takewhile(lambda t: not is_placeholder(t), draft))
         return draft
@@ -945,5 +983,8 @@ class Engine:
             ll.llama_adapter_lora_free(adapter)
         if self.projector is not None:
             self.projector.close()
+        if self._drafter is not None:
+            self._drafter.free()
+            self._drafter = None
         ll.llama_free(self.ctx)
         self.ctx = None

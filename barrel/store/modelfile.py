@@ -75,6 +75,7 @@ PARAMETERS: dict[str, Any] = {
     "kv_cache_type": str,
     "speculation": str,  # ngram | off
     "draft_max": int,
+    "draft_model": str,  # a model of the same vocabulary that drafts for this one
     "keep_alive": str,
     "weight_residency": str,
     "queue_depth": int,  # requests that may wait for this model beyond num_seq_max
