@@ -209,6 +209,15 @@ def test_openai_chat_with_a_data_url_then_a_second_turn(daemon: Daemon) -> None:
     assert refused.value.body["type"] == "invalid_request_error"  # type: ignore[index]
 
 
+def test_the_projector_counts_in_the_loaded_size(daemon: Daemon, projector: Path) -> None:
+    client = _ollama(daemon)
+    for name in ("tiny", "tiny-vision"):
+        client.generate(name, "")  # an empty prompt loads the model
+    loaded = {str(m.model).removesuffix(":latest"): m.size for m in client.ps().models}
+    # the same weights under both names: the projector is the difference
+    assert loaded["tiny-vision"] - loaded["tiny"] == projector.stat().st_size
+
+
 def test_openai_responses_take_an_input_image(daemon: Daemon) -> None:
     client = _openai(daemon)
     parts = [

@@ -33,6 +33,7 @@ from barrel.engine.engine import Engine
 from barrel.errors import BarrelError, CallTimeout, InvalidRequest, NotFound, Unavailable
 from barrel.futures import Reply, ToLoop
 from barrel.store.gguf_meta import read_gguf
+from barrel.store.manifests import ADAPTER, PROJECTOR
 from barrel.store.names import ModelName
 from barrel.store.store import ModelStore, config_for, details_of
 
@@ -109,8 +110,11 @@ class Lifecycle:
             # NAME:latest is NAME: one engine, under the name it was registered with
             spec = self._spec(local.name, local.path, local.size, meta, {}, details, local.digest)
             if local.projector is not None:
+                extra = (await asyncio.to_thread(local.projector.stat)).st_size
                 spec = dataclasses.replace(
-                    spec, engine=dataclasses.replace(spec.engine, mmproj=local.projector)
+                    spec,
+                    engine=dataclasses.replace(spec.engine, mmproj=local.projector),
+                    estimate_bytes=spec.estimate_bytes + extra,
                 )
             self._local_specs[name] = (now, spec)
             return spec
@@ -156,6 +160,9 @@ class Lifecycle:
         return dataclasses.replace(
             spec,
             engine=dataclasses.replace(spec.engine, loras=loras, mmproj=rec.projector_path),
+            # the projector and the adapters are loaded beside the weights
+            estimate_bytes=spec.estimate_bytes
+            + sum(la.size for la in rec.manifest.layers if la.mediaType in (PROJECTOR, ADAPTER)),
             template=rec.template,
             system=rec.system,
             messages=tuple(rec.messages),
