@@ -11,6 +11,7 @@ import base64
 import hashlib
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -52,6 +53,10 @@ def model(tiny_path: Path) -> Iterator[LlamaModel]:
     m.free()
 
 
+def _by_digest(*blobs: bytes) -> dict[str, bytes]:
+    return {hashlib.sha256(b).hexdigest(): b for b in blobs}
+
+
 def _prompt(model: LlamaModel, tokens: list[int], text: str) -> list[int]:
     head = model.tokenize("<|im_start|>user\n")
     tail = model.tokenize(f"{text}<|im_end|>\n<|im_start|>assistant\n", add_special=False)
@@ -64,7 +69,7 @@ async def test_the_engine_reads_an_image_and_reuses_its_cells(
     e = Engine(model, EngineOptions(n_ctx=512, n_seq_max=2, mmproj=projector)).start()
     try:
         assert e.projector is not None
-        red, blue = e.projector.images([RED, BLUE])
+        red, blue = e.projector.images(_by_digest(RED, BLUE)).values()
         assert red.media.n_pos == IMAGE_TOKENS
         assert red.media.token != blue.media.token
 
@@ -102,7 +107,7 @@ async def test_the_engine_refuses_what_it_cannot_read(model: LlamaModel, project
     seeing = Engine(model, EngineOptions(n_ctx=256, n_seq_max=1, mmproj=projector)).start()
     try:
         assert seeing.projector is not None
-        [piece] = seeing.projector.images([RED])
+        [piece] = seeing.projector.images(_by_digest(RED)).values()
         prompt = _prompt(model, piece.tokens(), "Hi")
         with pytest.raises(InvalidRequest, match="text only"):
             plain.submit(GenerationRequest(prompt, GREEDY, media=(piece.media,)))
@@ -111,7 +116,7 @@ async def test_the_engine_refuses_what_it_cannot_read(model: LlamaModel, project
         with pytest.raises(InvalidRequest, match="end with an image"):
             seeing.submit(GenerationRequest(piece.tokens(), GREEDY, media=(piece.media,)))
         with pytest.raises(InvalidRequest, match="could not be decoded"):
-            seeing.projector.images([b"GIF89a but not really an image"])
+            seeing.projector.images(_by_digest(b"GIF89a but not really an image"))
     finally:
         await asyncio.to_thread(plain.stop)
         await asyncio.to_thread(seeing.stop)
@@ -471,3 +476,29 @@ def test_mmproj_flag_belongs_to_the_model_before_it() -> None:
     assert args.mmproj == {"b": "/m/p.gguf"}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--mmproj", "/m/p.gguf"])
+
+
+def test_concurrent_images_each_get_their_own_answer(daemon: Daemon) -> None:
+    """Images evaluated between the steps of other sequences, several at once: each
+    answer is the one its image gives alone."""
+    client = _openai(daemon)
+
+    def ask(png: bytes) -> str:
+        content = [
+            {"type": "image_url", "image_url": {"url": data_url(png)}},
+            {"type": "text", "text": "Name the colour."},
+        ]
+        r = client.chat.completions.create(
+            model="tiny-vision",
+            messages=[{"role": "user", "content": content}],  # type: ignore[misc,list-item]
+            temperature=0,
+            max_tokens=12,
+        )
+        return r.choices[0].message.content or ""
+
+    pngs = [solid_png((40 * i, 255 - 40 * i, 90)) for i in range(4)]
+    alone = [ask(png) for png in pngs]
+    assert len(set(alone)) > 1
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(ask, [*pngs, *pngs]))
+    assert together == alone + alone

@@ -10,6 +10,7 @@ the child.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def trial(path: str, embedding: bool, mmproj: str | None = None) -> None:
     batch.free()
     if mmproj is not None:
         projector = Projector(Path(mmproj), model, threads=1, use_gpu=False)
-        [piece] = projector.images([solid_png((200, 30, 30))])
+        png = solid_png((200, 30, 30))
+        [piece] = projector.images({hashlib.sha256(png).hexdigest(): png}).values()
         projector.encode(piece.media)
         del piece
         projector.close()

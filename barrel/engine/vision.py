@@ -16,12 +16,11 @@ threads; `evaluate` runs in the engine thread only (it decodes into the context)
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import struct
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,15 +115,15 @@ class Projector:
                 mtmd.mtmd_free(self.ctx)
                 self.ctx = None
 
-    def images(self, blobs: Sequence[bytes]) -> list[Piece]:
-        """Decode and preprocess each image: a 400 for bytes that are not an image."""
+    def images(self, blobs: Mapping[str, bytes]) -> dict[str, Piece]:
+        """Decode and preprocess each image, given by its SHA-256 (hex): a 400 for bytes
+        that are not an image."""
         with self._lock:
             if not self.ctx:
                 raise InvalidRequest("the model was unloaded while its images were read")
-            return [self._piece(blob) for blob in blobs]
+            return {digest: self._piece(bytes.fromhex(digest), b) for digest, b in blobs.items()}
 
-    def _piece(self, blob: bytes) -> Piece:
-        digest = hashlib.sha256(blob).digest()
+    def _piece(self, digest: bytes, blob: bytes) -> Piece:
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(blob), False)
         if not bitmap:

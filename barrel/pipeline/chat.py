@@ -44,7 +44,7 @@ from barrel.engine.vision import Media, Piece
 from barrel.errors import InvalidRequest
 from barrel.pipeline.gotemplate import go_to_jinja, is_go_template
 from barrel.pipeline.grammar import json_schema_grammar
-from barrel.pipeline.images import REFUSAL, digest_of, markers_of
+from barrel.pipeline.images import REFUSAL, image_marker, markers_of
 from barrel.pipeline.templates import ChatTemplate
 from barrel.pipeline.toolcalls import Family, Reasoning, Text, ToolCall, ToolCallParser, family
 
@@ -71,8 +71,8 @@ class ChatRequest:
     pin_messages: int = 0
     lora: tuple[float, ...] | None = None  # GenerationRequest.lora
     ignore_eos: bool = False  # GenerationRequest.ignore_eos (the answer, not the thoughts)
-    # the images the messages' markers name (barrel.pipeline.images), their bytes
-    images: tuple[bytes, ...] = ()
+    # the images the messages' markers name (barrel.pipeline.images): bytes by SHA-256
+    images: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def prepare(
     template_family: Family,
     control_tokens: Callable[[str], set[int]] | None = None,
     tokenize_as: Tokenize | None = None,
-    read_images: Callable[[list[bytes]], list[Piece]] | None = None,
+    read_images: Callable[[dict[str, bytes]], dict[str, Piece]] | None = None,
 ) -> Prepared:
     """Everything that can fail on bad input happens here, before any slow work.
     `tokenize_as(text, add_special, parse_special)`, when given, keeps control-token text
@@ -224,8 +224,7 @@ def prepare(
     if req.images:
         if read_images is None or tokenize_as is None:
             raise InvalidRequest(REFUSAL)
-        blobs = {digest_of(b): b for b in req.images}
-        pieces = dict(zip(blobs, read_images(list(blobs.values())), strict=True))
+        pieces = read_images(req.images)
     prompt = _tokenize_prompt(prompt_text, messages, tokenize, control_tokens, tokenize_as, pieces)
     media = {t: pieces[d].media for d in pieces if (t := pieces[d].media.token) in prompt}
     fam = template_family if tools else family("generic")
@@ -280,6 +279,7 @@ def _tokenize_prompt(
     if control_tokens is None or tokenize_as is None:
         return tokenize(text)
     markers = markers_of(set(images)) if images else None
+    by_marker = {image_marker(d): piece for d, piece in (images or {}).items()}
     contents = [c for m in messages if isinstance(c := m.get("content"), str)]
     if markers is not None:
         contents = [piece for c in contents for piece in markers.split(c)]
@@ -287,8 +287,7 @@ def _tokenize_prompt(
     if not risky and markers is None:
         return tokenize(text)
     if not risky:
-        assert images is not None
-        return _with_images(text, True, True, markers, images, tokenize_as)
+        return _with_images(text, True, True, markers, by_marker, tokenize_as)
     spans: list[tuple[int, int]] = []
     pos = 0
     for content in risky:
@@ -303,10 +302,10 @@ def _tokenize_prompt(
     out: list[int] = []
     last = 0
     for start, end in spans:
-        out += _with_images(text[last:start], last == 0, True, markers, images, tokenize_as)
+        out += _with_images(text[last:start], last == 0, True, markers, by_marker, tokenize_as)
         out += tokenize_as(text[start:end], False, False)
         last = end
-    return out + _with_images(text[last:], False, True, markers, images, tokenize_as)
+    return out + _with_images(text[last:], False, True, markers, by_marker, tokenize_as)
 
 
 def _with_images(
@@ -314,18 +313,18 @@ def _with_images(
     add_special: bool,
     parse_special: bool,
     markers: re.Pattern[str] | None,
-    images: dict[str, Piece] | None,
+    images: dict[str, Piece],
     tokenize_as: Tokenize,
 ) -> list[int]:
     """Template text with image markers: the text around them tokenized, each marker
-    replaced by its image's tokens."""
-    if markers is None or images is None:
+    replaced by its image's tokens (`images` by marker)."""
+    if markers is None:
         return tokenize_as(text, add_special, parse_special)
     out: list[int] = []
     last = 0
     for match in markers.finditer(text):
         out += tokenize_as(text[last : match.start()], add_special and last == 0, parse_special)
-        out += images[match.group(0)[len("<__barrel_image_") : -len("__>")]].tokens()
+        out += images[match.group(0)].tokens()
         last = match.end()
     return out + tokenize_as(text[last:], add_special and last == 0, parse_special)
 

@@ -123,7 +123,7 @@ def template_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
         content = m.text
         if m.images:
             content = "".join(
-                p.text if isinstance(p, TextPart) else images.image_marker(images.digest_of(p.data))
+                p.text if isinstance(p, TextPart) else images.image_marker(images.digest_of_part(p))
                 for p in m.parts
             )
         d: dict[str, Any] = {"role": m.role, "content": content}
@@ -267,7 +267,7 @@ async def _prepared(
         pin_messages=before + req.pin_messages if req.pin_messages else 0,
         lora=lora_scales(req.lora, session.adapters),
         ignore_eos=req.ignore_eos,
-        images=tuple(i.data for m in req.messages for i in m.images),
+        images={images.digest_of_part(i): i.data for m in req.messages for i in m.images},
     )
     prep = await session.prepare(chat, template)
     grammar_bytes = len(prep.grammar or "")

@@ -15,6 +15,7 @@ the projector's tokens for each image there.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -42,6 +43,10 @@ def image_marker(digest: str) -> str:
 
 def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def digest_of_part(image: ImagePart) -> str:
+    return image.digest or digest_of(image.data)
 
 
 def markers_of(digests: set[str]) -> re.Pattern[str]:
@@ -150,8 +155,17 @@ def data_url(url: str) -> bytes:
         raise InvalidRequest("an image's data URL is not valid base64") from None
 
 
+def _ready(image: ImagePart, data: bytes, limits: LimitsConfig) -> ImagePart:
+    """Worker thread: the image's bytes decoded (a data URL), checked and hashed, once."""
+    if not data:
+        data = data_url(image.url)
+    _check_image(data, limits)
+    return ImagePart(data=data, media_type=image.media_type, digest=digest_of(data))
+
+
 async def load(req: GenerateRequest, limits: LimitsConfig, fetch: Fetch) -> GenerateRequest:
-    """`req` with every image's bytes in hand (URLs decoded or fetched)."""
+    """`req` with every image's bytes in hand (URLs decoded or fetched) and hashed; the
+    decoding and hashing (megabytes) run off the event loop."""
     if not count(req):
         return req
     messages: list[Message] = []
@@ -163,12 +177,9 @@ async def load(req: GenerateRequest, limits: LimitsConfig, fetch: Fetch) -> Gene
         for p in m.parts:
             if isinstance(p, ImagePart):
                 data = p.data
-                if not data and p.url.startswith("data:"):
-                    data = data_url(p.url)
-                elif not data:
+                if not data and not p.url.startswith("data:"):
                     data = await fetch(p.url, limits.max_image_bytes)
-                _check_image(data, limits)
-                p = ImagePart(data=data, media_type=p.media_type)
+                p = await asyncio.to_thread(_ready, p, data, limits)
             parts.append(p)
         messages.append(msgspec.structs.replace(m, parts=tuple(parts)))
     return msgspec.structs.replace(req, messages=tuple(messages))

@@ -19,12 +19,13 @@ class TextPart(msgspec.Struct, frozen=True, tag="text"):
 
 
 class ImagePart(msgspec.Struct, frozen=True, tag="image"):
-    """An image: its bytes (data URLs, base64 blocks) or a URL to fetch. No model here
-    has a projector yet: the generation path refuses it with a 400."""
+    """An image: its bytes (data URLs, base64 blocks) or a URL to fetch. Models with a
+    projector read it (barrel.pipeline.images); others refuse it with a 400."""
 
     data: bytes = b""
     url: str = ""
     media_type: str = ""
+    digest: str = ""  # the bytes' SHA-256 (hex), set once by barrel.pipeline.images.load
 
 
 Part = TextPart | ImagePart
