@@ -226,6 +226,9 @@ async def test_engine_crash_mid_stream_then_the_model_serves_again(
 
 
 async def test_api_ps(aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path) -> None:
+    from tests.contract.spec import validator
+
+    running_model = validator("components", "schemas", "RunningModel")
     client, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path})
     assert (await (await client.get("/api/ps")).json()) == {"models": []}
     lease = await lc.acquire("tiny", keep_alive=60)
@@ -235,6 +238,7 @@ async def test_api_ps(aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Pat
     assert model["context_length"] == 1024
     assert (model["active"], model["running"], model["queued"]) == (1, 1, 0)
     assert model["expires_at"] is None, "no expiry while active"
+    running_model.validate(model)  # as openapi.yaml documents it
     file_size = await asyncio.to_thread(os.path.getsize, tiny_path)
     assert model["size"] > file_size  # the weights and the KV cache
     assert model["size"] < file_size + (64 << 20), "no estimate margin (1 GiB) in it"
@@ -242,6 +246,7 @@ async def test_api_ps(aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Pat
     (model,) = (await (await client.get("/api/ps")).json())["models"]
     assert model["active"] == 0
     assert model["expires_at"] is not None
+    running_model.validate(model)
 
 
 async def test_a_failed_load_gives_every_waiter_the_cause(
