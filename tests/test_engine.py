@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -13,6 +14,7 @@ import pytest
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.errors import EngineCrashed, PromptTooLong
+from barrel.engine.kvcache import common_prefix
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import (
     Delta,
@@ -305,6 +307,51 @@ async def test_evicted_sequence_is_restored_from_the_state_cache(model: LlamaMod
         assert done2.tokens == done_cold.tokens
     finally:
         e.stop()
+
+
+async def test_a_sessionless_sequence_cut_for_another_request_is_saved(
+    model: LlamaModel,
+) -> None:
+    e = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=1)).start()
+    try:
+        a = req(model, "The quick brown fox", max_tokens=40)
+        _, done_a, _ = await generate(e, a)
+        # no session: b still takes the only sequence, and a's cells go to the RAM cache
+        await generate(e, req(model, "Lorem ipsum", max_tokens=10))
+        assert len(e.cache) == 1
+        turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" again", add_special=False)]
+        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5))
+        assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
+    finally:
+        e.stop()
+
+
+async def test_a_request_sharing_a_short_prefix_leaves_the_parked_sequence_whole(
+    model: LlamaModel,
+) -> None:
+    e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=2, max_pins=0)).start()
+    cold = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=1, state_cache_bytes=0)).start()
+    try:
+        system = model.tokenize("You are a careful assistant. " * 6)
+        a = GenerationRequest([*system, *model.tokenize("Tell a story.", add_special=False)])
+        a = dataclasses.replace(a, max_tokens=60)
+        _, done_a, _ = await generate(e, a)
+        # b shares the system prompt only, less than half of what a's sequence holds:
+        # it runs on the empty sequence and shares a's cells for the system prompt
+        b = GenerationRequest([*system, *model.tokenize("Name a colour.", add_special=False)])
+        b = dataclasses.replace(b, max_tokens=12)
+        _, done_b, _ = await generate(e, b)
+        assert done_b.usage.prompt_reused == common_prefix(a.prompt, b.prompt)
+        _, cold_b, _ = await generate(cold, b)
+        assert done_b.tokens == cold_b.tokens, "the shared cells give the same output"
+        # a's conversation is still whole: its next turn prefills only its new words
+        turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" More.", add_special=False)]
+        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5))
+        assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
+        assert len(e.cache) == 0, "nothing had to be saved"
+    finally:
+        e.stop()
+        cold.stop()
 
 
 async def test_state_cache_spills_to_disk(model: LlamaModel, tmp_path: Path) -> None:

@@ -1,10 +1,15 @@
 """Which llama.cpp sequence a request runs on, and what of its prompt is already there.
 
-A finished sequence stays parked with its tokens. A new request takes the free sequence
-with the longest common token prefix (its own session's first, and only within its
-scope: with API keys, one key's tokens are never reused for another), drops the rest of that
-sequence's KV and prefills only the remainder. Parked sequences pushed out of the context
-go to the state cache and come back on a prefix match. Engine thread only.
+A finished sequence stays parked with its tokens. A new request runs on a free sequence
+it continues (its own session's first, and only within its scope: with API keys, one
+key's tokens are never reused for another), drops the rest of that sequence's KV and
+prefills only the remainder. A request that continues none runs on an empty sequence
+(else the least recently used parked one, whose state goes to the state cache first) and
+shares the longest prefix any other sequence holds: with a unified KV cache,
+llama_memory_seq_cp tags the same cells, so a regenerated answer, a second user of the
+same system prompt or a code edit asked again costs nothing, and no parked conversation
+is cut for a few common tokens. Parked sequences pushed out of the context go to the
+state cache and come back on a prefix match. Engine thread only.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from barrel.engine.model import LlamaModel
 
 logger = logging.getLogger(__name__)
 
+# A sequence cut by at least this many tokens for another request is saved to the state
+# cache first (a session's sequence always is).
+SAVE_MIN_TOKENS = 32
+
 
 class SlotManager:
     def __init__(
@@ -31,6 +40,9 @@ class SlotManager:
         self.cache = cache
         self.slots = [Slot(i) for i in range(n_seq)]
         self.pins = [Slot(n_seq + i, pinned=True) for i in range(n_pins)]
+        # Whether sequences may share each other's prefixes (partial copies and removals
+        # hold for this model's memory).
+        self._shares = not (model.swa or model.recurrent)
 
     def free_slots(self) -> list[Slot]:
         return [s for s in self.slots if not s.busy]
@@ -81,8 +93,24 @@ class SlotManager:
             best = max(own, key=score)
             if lcp(best) > 0:
                 return best, lcp(best)
-        best = max(free, key=score)
-        return best, lcp(best)
+        if not self._shares:
+            best = max(free, key=score)
+            return best, lcp(best)
+        # A sequence this prompt continues: it keeps at least half of what the sequence
+        # holds, or the whole prompt is there (the same question asked again).
+        goes_on = [
+            s
+            for s in free
+            if s.tokens
+            and lcp(s) > 0
+            and (2 * lcp(s) >= len(s.tokens) or lcp(s) >= len(prompt) - 1)
+        ]
+        if goes_on:
+            best = max(goes_on, key=score)
+            return best, lcp(best)
+        # Otherwise where the least is lost; attach shares the longest prefix held anywhere.
+        target = min(free, key=lambda s: (bool(s.tokens), s.last_used))
+        return target, lcp(target)
 
     def attach(
         self,
@@ -98,14 +126,18 @@ class SlotManager:
         Without `reuse` every prompt token is computed again (for its logits)."""
         # At least one prompt token is decoded to get logits for the first sample.
         keep = min(lcp, len(prompt) - 1) if reuse else 0
-        if keep < len(slot.tokens) and slot.session is not None:
+        if len(slot.tokens) - keep >= SAVE_MIN_TOKENS or (
+            keep < len(slot.tokens) and slot.session is not None
+        ):
             self.save(slot)
-        restored = self._restore(slot, prompt, keep, scope) if reuse else 0
-        if restored:
-            keep = min(restored, len(prompt) - 1)
-        copied = self._copy_pin(slot, prompt, keep, scope) if reuse else 0
-        if copied:
-            keep = min(copied, len(prompt) - 1)
+        if reuse:
+            # the longest prefix held: another sequence's cells, else a saved state
+            shared = self._source(slot, prompt, keep, scope)
+            restored = self._restore(slot, prompt, shared[0] if shared else keep, scope)
+            if restored:
+                keep = min(restored, len(prompt) - 1)
+            elif shared:
+                keep = min(self._share(slot, *shared), len(prompt) - 1)
         keep, note = self._trim(slot, keep)
         slot.busy = True
         slot.session = session
@@ -181,26 +213,34 @@ class SlotManager:
         buf = (ctypes.c_uint8 * size)()
         n = ll.llama_state_seq_get_data(self.ctx, buf, size, slot.seq)
         if n > 0:
-            self.cache.put(list(slot.tokens), slot.session, bytes(buf)[:n], slot.scope)
+            self.cache.put(list(slot.tokens), slot.session, ctypes.string_at(buf, n), slot.scope)
 
-    def _copy_pin(self, slot: Slot, prompt: list[int], keep: int, scope: str) -> int:
-        """Share a pinned prefix's cells with `slot` if it covers more of `prompt`.
-        With a unified KV cache, llama_memory_seq_cp tags the same cells with the
-        slot's sequence: nothing is recomputed or copied."""
+    def _source(
+        self, slot: Slot, prompt: list[int], keep: int, scope: str
+    ) -> tuple[int, Slot] | None:
+        """The pinned prefix or other sequence (parked or running) holding the longest
+        prefix of `prompt`, if longer than `keep`. Sequences are sources only for models
+        whose memory takes partial copies (not sliding-window or recurrent ones)."""
+        sources = [p for p in self.pins if not p.busy]
+        if self._shares:
+            sources += [s for s in self.slots if s is not slot]
         best: tuple[int, Slot] | None = None
-        for pin in self.pins:
-            if pin.busy or not pin.tokens or pin.scope != scope:
+        for src in sources:
+            if not src.tokens or src.scope != scope:
                 continue
-            n = common_prefix(pin.tokens, prompt)
+            n = common_prefix(src.tokens, prompt)
             if n > keep and (best is None or n > best[0]):
-                best = (n, pin)
-        if best is None:
-            return 0
-        n, pin = best
+                best = (n, src)
+        return best
+
+    def _share(self, slot: Slot, n: int, src: Slot) -> int:
+        """Give `slot` the first `n` cells of `src`. With a unified KV cache,
+        llama_memory_seq_cp tags the same cells with the slot's sequence: nothing is
+        recomputed or copied."""
         ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
-        ll.llama_memory_seq_cp(self.mem, pin.seq, slot.seq, 0, n)
-        slot.tokens = list(pin.tokens[:n])
-        pin.touch()
+        ll.llama_memory_seq_cp(self.mem, src.seq, slot.seq, 0, n)
+        slot.tokens = list(src.tokens[:n])
+        src.touch()
         return n
 
     def _restore(self, slot: Slot, prompt: list[int], keep: int, scope: str) -> int:
