@@ -3,14 +3,13 @@
 SIGTERM / SIGINT: stop accepting, give in-flight requests `server.shutdown_grace_s` to
 finish, stop the tree in reverse order, exit 0. A tree that cannot boot or whose root
 crashes shuts the daemon down with exit 1 (so systemd restarts it). SIGUSR1 writes
-every thread's stack to stderr; it works even if the event loop is stuck, because
-faulthandler answers it outside the interpreter loop.
+every thread's stack to stderr (barrel.stacks, set up by the CLI before this module's
+imports start threads).
 """
 
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import logging
 import signal
 from collections.abc import Mapping
@@ -26,7 +25,6 @@ logger = logging.getLogger(__name__)
 
 
 def serve(config: Config, local_models: Mapping[str, str]) -> int:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return asyncio.run(_serve(config, local_models))
 
 

@@ -78,6 +78,22 @@ def test_sigusr1_dumps_every_thread_stack(daemon: Daemon) -> None:
     daemon.wait_line(r"Thread 0x[0-9a-f]+", timeout=10)
     daemon.wait_line(r"File .*", timeout=10)
     assert daemon.proc.poll() is None, "SIGUSR1 must not stop the daemon"
+    # One thread takes the signal and dumps with the GIL held; every other thread, native
+    # ones included, blocks it, so it never lands in the middle of a thread starting.
+    taking = [t for t in _threads(daemon.proc.pid) if not _blocks(t, signal.SIGUSR1)]
+    assert len(taking) == 1, taking
+    assert taking[0].name != str(daemon.proc.pid), "not the main thread: its loop may be stuck"
+
+
+def _threads(pid: int) -> list[Path]:
+    return sorted(Path(f"/proc/{pid}/task").iterdir())
+
+
+def _blocks(thread: Path, sig: signal.Signals) -> bool:
+    for line in (thread / "status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    raise AssertionError(f"no SigBlk in {thread}/status")
 
 
 def test_invalid_config_exits_2_naming_the_key(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Any
 
@@ -10,6 +11,7 @@ import msgspec
 
 from barrel import __version__, config
 from barrel.errors import BarrelError, ConfigError, InvalidRequest
+from barrel.stacks import dump_stacks_on
 from barrel.store.local import check_gguf_file
 
 EXIT_USAGE = 2
@@ -138,6 +140,7 @@ def _apply_flags(cfg: config.Config, args: argparse.Namespace) -> config.Config:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    dump_stacks_on(signal.SIGUSR1)  # before any import below starts a thread
     from barrel import daemon  # the HTTP stack is only imported to serve
     from barrel.notify import setup_logging
 
