@@ -50,6 +50,25 @@ def test_the_drafter_proposes_what_followed_the_trailing_ngram() -> None:
     assert d.draft(room=10) == []
 
 
+def test_the_drafter_follows_a_copy_in_order() -> None:
+    # Two similar "functions", 1 2 3 4 and 1 2 3 5, copied from the prompt: once the copy
+    # has passed the first, the 3-gram "1 2 3" was last followed by 4 (in the copy
+    # itself), but the source goes on with 5.
+    source = [7, 8, 1, 2, 3, 4, 9, 1, 2, 3, 5, 6]
+    d = NgramDrafter([*source, 7, 8, 1], n=3, k=6)
+    assert d.draft(room=10) == [2, 3, 4, 9, 1, 2]
+    d.record(drafted=6, accepted=6)
+    d.extend([2, 3, 4, 9, 1, 2, 3])  # the draft and the token sampled after it
+    assert d.draft(room=10) == [5, 6, 7, 8, 1, 2]
+    # the token sampled after a kept draft is not the source's next (5, not 3): the
+    # copy has left the source, and "1 2 5" was never seen
+    d = NgramDrafter([*source, 7, 8, 1], n=3, k=6)
+    assert d.draft(room=10) == [2, 3, 4, 9, 1, 2]
+    d.record(drafted=6, accepted=6)
+    d.extend([2, 3, 4, 9, 1, 2, 5])
+    assert d.draft(room=10) == []
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_path: Path) -> Iterator[LlamaModel]:
     m = LlamaModel.load(tiny_path)

@@ -3,7 +3,11 @@
 A sequence's next tokens often repeat a stretch of its own context (a code edit copies
 most of the file, a RAG answer quotes its sources, tool arguments repeat the prompt).
 `NgramDrafter` finds the last earlier occurrence of the sequence's trailing n-gram and
-proposes the tokens that followed it. The engine decodes the pending token and the
+proposes the tokens that followed it. Once a whole draft is kept and the token sampled
+after it is the source's next one too, the next draft goes on from there: a copy is
+followed in order, where the latest occurrence of the n-gram may be an earlier part of
+the copy itself (a file of similar functions: `def shape_` was last followed by the
+previous function's number). The engine decodes the pending token and the
 draft in one step (each with logits), then samples position by position: a draft token
 is kept only while it equals the token sampled there, so the output (and the seeded
 sampler's random stream) is exactly what one-token steps would give; the first
@@ -36,6 +40,8 @@ class NgramDrafter:
         self.accepted = 0
         self.attempts = 0
         self._length = min(FIRST_DRAFT, k)
+        self._drafted_from: int | None = None  # where the last draft started in history
+        self._follow: int | None = None  # where the copy goes on after a kept draft
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
@@ -51,13 +57,19 @@ class NgramDrafter:
     def draft(self, room: int) -> list[int]:
         """Up to min(the current draft length, room) tokens that followed the trailing
         n-gram last time."""
+        h, follow = self.history, self._follow
+        self._drafted_from = self._follow = None
         limit = min(self._length, room)
-        if limit <= 0 or len(self.history) < self.n or not self.active:
+        if limit <= 0 or len(h) < self.n or not self.active:
             return []
-        start = self._index.get(tuple(self.history[-self.n :]))
+        if follow is not None and follow < len(h) - 1 and h[follow] == h[-1]:
+            start: int | None = follow + 1  # the copy goes on
+        else:
+            start = self._index.get(tuple(h[-self.n :]))
         if start is None:
             return []
-        return self.history[start : start + limit]
+        self._drafted_from = start
+        return h[start : start + limit]
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
@@ -65,6 +77,9 @@ class NgramDrafter:
         self.attempts += 1
         if accepted == drafted:
             self._length = min(self.k, self._length * 2)
+            if self._drafted_from is not None:
+                # the token sampled after the draft is expected here in the source
+                self._follow = self._drafted_from + drafted
         else:
             self._length = max(2, min(self.k, accepted + 2))
 
