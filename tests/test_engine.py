@@ -16,6 +16,7 @@ from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.errors import EngineCrashed, PromptTooLong
 from barrel.engine.kvcache import common_prefix
 from barrel.engine.model import LlamaModel
+from barrel.engine.slots import PARKED_MAX_CELLS
 from barrel.engine.types import (
     Delta,
     Done,
@@ -352,6 +353,36 @@ async def test_a_request_sharing_a_short_prefix_leaves_the_parked_sequence_whole
     finally:
         e.stop()
         cold.stop()
+
+
+async def test_many_parked_cells_move_to_the_state_cache_while_others_run(
+    model: LlamaModel,
+) -> None:
+    e = Engine(model, EngineOptions(n_ctx=4096, n_seq_max=4)).start()
+    try:
+        # two parked conversations holding more than PARKED_MAX_CELLS between them
+        half = PARKED_MAX_CELLS // 2 + 64
+        convs = []
+        for topic in ("rivers", "mountains"):
+            prompt = model.tokenize(f"Notes on {topic}. " * half)[:half]
+            a = GenerationRequest(prompt, max_tokens=5)
+            convs.append((a, (await generate(e, a))[1]))
+        assert len(e.cache) == 0
+        # a short request runs: the least recently used conversation goes to the cache,
+        # its cells leave the KV; the other stays
+        await generate(e, req(model, "Hello", max_tokens=5))
+        assert len(e.cache) == 1
+        (a, done_a), (b, _) = convs
+        held = [s.tokens[:half] for s in e.kv.slots]
+        assert a.prompt not in held
+        assert b.prompt in held
+        # the moved conversation comes back from the cache on its next turn
+        turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" More.", add_special=False)]
+        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5))
+        assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
+        assert len(e.cache) == 0
+    finally:
+        e.stop()
 
 
 async def test_state_cache_spills_to_disk(model: LlamaModel, tmp_path: Path) -> None:

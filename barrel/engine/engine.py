@@ -539,11 +539,13 @@ class Engine:
             self._stopped.set()
 
     def _admit(self) -> None:
+        admitted = False
         while self._waiting:
             run = self._waiting[0]
             choice = self.kv.choose(run.req.prompt, run.req.session, run.req.scope)
             if choice is None:
-                return
+                break
+            admitted = True
             self._waiting.popleft()
             slot, lcp = choice
             run.admitted = time.monotonic()
@@ -559,6 +561,8 @@ class Engine:
             run.reused = run.n_past
             run.slot = slot
             self._active.append(run)
+        if admitted:
+            self.kv.shed_parked(sum(len(r.req.prompt) + len(r.generated) for r in self._active))
 
     def _image_start(self, run: Run, slot: Slot) -> None:
         """KV reuse that ends inside an image goes back to the image's start: an image
