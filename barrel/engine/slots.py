@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 # cache first (a session's sequence always is).
 SAVE_MIN_TOKENS = 32
 # Parked sequences cost every decode step: a unified KV cache attends up to its highest
-# used cell, masked or not (Qwen 0.5B on 2 cores: 4,000 parked cells make a step ~9%
-# slower). Past this many parked cells, and more than the running sequences hold, the
-# least recently used parked sequences move to the state cache while others run.
+# used cell, masked or not (Qwen 0.5B on 2 cores, 3,600 parked cells: a one-token step
+# 4 % slower, an eight-token step 7 %; more with longer contexts). Past this many parked
+# cells, and more than the running sequences hold, the least recently used parked
+# sequences move to the state cache while others run.
 PARKED_MAX_CELLS = 1024
 
 

@@ -55,8 +55,8 @@ class NgramDrafter:
         return None
 
     def draft(self, room: int) -> list[int]:
-        """Up to min(the current draft length, room) tokens that followed the trailing
-        n-gram last time."""
+        """Up to min(the current draft length, room) tokens: where the copy the last
+        kept draft came from goes on, else what followed the trailing n-gram last time."""
         h, follow = self.history, self._follow
         self._drafted_from = self._follow = None
         limit = min(self._length, room)
