@@ -140,3 +140,23 @@ def daemon_tokens(daemon: Daemon, text: str) -> int:
     )
     assert r.status_code == 200, r.text
     return len(r.json()["tokens"])
+
+
+async def test_conversations_that_end_together_get_their_turn_headers_in_one_decode(
+    model: LlamaModel,
+) -> None:
+    e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=4, next_turn_delay_s=0.05)).start()
+    try:
+        turn = model.tokenize("<|im_end|>\n<|im_start|>user\n", add_special=False)
+        heads = [
+            model.tokenize(f"<|im_start|>user\nQuestion {i}<|im_end|>\n<|im_start|>assistant\n")
+            for i in range(4)
+        ]
+        asks = [GenerationRequest(h, GREEDY, max_tokens=6, next_turn=tuple(turn)) for h in heads]
+        dones = await asyncio.gather(*(e.submit(a).collect() for a in asks))
+        answers = [[t for t in d.tokens if not model.is_eog(t)] for _, d in dones]
+        ends = {tuple(h + a + turn) for h, a in zip(heads, answers, strict=True)}
+        await _until(lambda: {tuple(s.tokens) for s in e.kv.slots if s.tokens} >= ends)
+        assert e.turn_steps == 1  # four sequences, one idle decode
+    finally:
+        await asyncio.to_thread(e.stop)

@@ -17,7 +17,7 @@ import pytest
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
-from barrel.engine.speculate import NgramDrafter
+from barrel.engine.speculate import ALIGN, NgramDrafter, align_drafts
 from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
 from barrel.metrics import Metrics
 
@@ -67,6 +67,65 @@ def test_the_drafter_follows_a_copy_in_order() -> None:
     d.record(drafted=6, accepted=6)
     d.extend([2, 3, 4, 9, 1, 2, 5])
     assert d.draft(room=10) == []
+
+
+@pytest.mark.parametrize(
+    ("drafts", "n", "left"),
+    [
+        ([[1, 2, 3]], 4, [[1, 2, 3]]),  # pending + 3: a multiple of four already
+        ([[1] * 16], 17, [[1] * 15]),  # pending + 16: the sixteenth goes
+        ([[1, 2], [3, 4, 5, 6]], 8, [[1, 2], [3, 4, 5, 6]]),
+        ([[1, 2], [3, 4, 5, 6, 7]], 9, [[1, 2], [3, 4, 5, 6]]),  # the longest loses its last
+        ([[1, 2, 3], [4, 5, 6]], 9, [[1, 2], [4, 5, 6]]),
+        ([[1, 2]], 3, [[]]),  # pending + 2: a step of three, too few drafts to reach four
+        ([[1], []], 3, [[], []]),  # two sequences, one draft token: the draft goes
+        ([[1, 2], [3]], 8 + 3, [[], []]),  # eight sequences, three draft tokens
+        ([[], []], 7, [[], []]),  # no drafts: nothing to trim (prompt chunks are never cut)
+    ],
+)
+def test_a_step_with_drafts_is_trimmed_to_a_multiple_of_four(
+    drafts: list[list[int]], n: int, left: list[list[int]]
+) -> None:
+    align_drafts(drafts, n)
+    assert drafts == left
+
+
+class _Steps:
+    """The engine's steps, in order: (tokens, draft tokens verified in the step)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int]] = []
+        self._drafted = 0
+
+    def drafted(self, drafted: int, accepted: int) -> None:
+        self._drafted += drafted
+
+    def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
+        self.steps.append((tokens, self._drafted))
+        self._drafted = 0
+
+    def __getattr__(self, name: str) -> object:
+        return lambda *args: None  # the other measurements
+
+
+async def test_every_step_that_verifies_drafts_is_a_multiple_of_four(tiny: LlamaModel) -> None:
+    walk = tiny.tokenize(" red green blue", add_special=False)
+    sampling = SamplingParams(temperature=0, logit_bias={t: 30.0 for t in walk})
+    observer = _Steps()
+    opts = EngineOptions(n_ctx=2048, n_seq_max=4, speculation="ngram")
+    e = Engine(tiny, opts, observer=observer).start()  # type: ignore[arg-type]
+    try:
+        for prompts in (_prompts(tiny, chat=False)[:1], _prompts(tiny, chat=False)):
+            runs = [
+                e.submit(GenerationRequest(p, max_tokens=96, sampling=sampling)).collect()
+                for p in prompts
+            ]
+            await asyncio.gather(*runs)
+    finally:
+        await asyncio.to_thread(e.stop)
+    with_drafts = [tokens for tokens, drafted in observer.steps if drafted]
+    assert with_drafts  # drafts were verified, alone and beside other sequences
+    assert all(tokens % ALIGN == 0 for tokens in with_drafts), with_drafts
 
 
 @pytest.fixture(scope="module")

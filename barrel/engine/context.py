@@ -76,7 +76,7 @@ class EngineOptions:
     # Prompt-lookup speculative decoding (barrel.engine.speculate): "ngram" or "off";
     # at most `draft_max` draft tokens a step, matched on the last `draft_ngram` tokens.
     speculation: str = "ngram"
-    draft_max: int = 48
+    draft_max: int = 64
     draft_ngram: int = 12
     # A draft model (a small GGUF of the same vocabulary) instead of n-gram drafts:
     # `draft_model_tokens` greedy guesses a step (barrel.engine.draft).
@@ -89,7 +89,7 @@ class EngineOptions:
     embedding: bool = False
     pooling: str = "model"  # model (from the GGUF, mean if it has none) | mean | cls | last
     # A finished conversation's sequence gets its template's next-turn header after this
-    # long without a request (Engine._continue_turn).
+    # long without a request (Engine._continue_turns).
     next_turn_delay_s: float = 0.2
     # A multimodal projector GGUF (barrel.engine.vision): the model then reads images.
     mmproj: Path | None = None

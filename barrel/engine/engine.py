@@ -51,7 +51,7 @@ from barrel.engine.model import LlamaModel, ModelOptions
 from barrel.engine.run import Run
 from barrel.engine.sampler import Sampler
 from barrel.engine.slots import SlotManager
-from barrel.engine.speculate import NgramDrafter
+from barrel.engine.speculate import NgramDrafter, align_drafts
 from barrel.engine.stream import Stream
 from barrel.engine.types import Done, Event, FinishReason, GenerationRequest, RequestId
 from barrel.engine.vision import Projector, is_placeholder, load_projector
@@ -232,6 +232,7 @@ class Engine:
         self._pin_entries: list[tuple[_PinJob, int]] = []
         self.crashed: BaseException | None = None
         self.steps = 0  # decode steps done
+        self.turn_steps = 0  # idle decodes of next-turn tokens (_continue_turns)
         # a reranker's pooled output is its classifier's scores, not a hidden state
         self.ranks = bool(opts.embedding) and (
             ll.llama_pooling_type(self.ctx) == ll.LLAMA_POOLING_TYPE_RANK
@@ -436,7 +437,7 @@ class Engine:
                 if self._active or self._pinning:
                     self._step()
                 elif self._turns and not self._waiting and self._turn_wait() == 0.0:
-                    self._continue_turn()
+                    self._continue_turns()
             self._fail_all(EngineStopped(f"engine {self.name} stopped", retry_after=1.0))
         except BaseException as exc:
             logger.exception("engine %s crashed", self.name)
@@ -656,44 +657,51 @@ class Engine:
             and self._lora_of(run) == lora
         ]
         guesses = self._guesses(generating)
+        # Plan the step (each generating sequence's pending token and draft, then prompt
+        # chunks in arrival order, then pinned prefixes), align it, then fill the batch.
+        room = b.capacity
+        planned: list[Run] = []
         for run in generating:
-            if b.n >= b.capacity:
+            if room <= 0:
                 break
             assert run.slot is not None
-            assert run.pending is not None
-            index = b.add(run.pending, run.n_past, run.slot.seq, True)
+            room -= 1
             if self._drafter is not None:
-                run.draft = guesses.get(run.slot.seq, [])[: b.capacity - b.n]
+                run.draft = guesses.get(run.slot.seq, [])[:room]
             else:
-                run.draft = self._draft(run, b.capacity - b.n)
-            for j, token in enumerate(run.draft):
-                b.add(token, run.n_past + 1 + j, run.slot.seq, True)
-            entries.append((run, index, 1))
-        budget = b.capacity - b.n
-        if entries:
-            budget = min(budget, self.options.prefill_chunk)
+                run.draft = self._draft(run, room)
+            room -= len(run.draft)
+            planned.append(run)
+        budget = min(room, self.options.prefill_chunk) if planned else room
         if self.projector is not None:
             self._images(lora)
+        chunks: list[tuple[Run, int]] = []
         for run in self._active:
             if not run.prefilling or budget <= 0 or self._lora_of(run) != lora:
                 continue
+            take = self._chunk(run, budget)
+            if take:
+                chunks.append((run, take))
+                budget -= take
+        pins: list[tuple[_PinJob, int]] = []
+        for job in self._pinning:
+            if budget <= 0 or lora != self._lora_default:
+                break
+            take = min(len(job.tokens) - job.n_past, budget)
+            pins.append((job, take))
+            budget -= take
+        n = len(planned) + sum(len(r.draft) for r in planned)
+        align_drafts([r.draft for r in planned], n + sum(t for _, t in chunks + pins))
+        for run in planned:
             assert run.slot is not None
-            prompt = run.req.prompt
-            take = min(len(prompt) - run.n_past, budget)
-            if run.req.media:  # text up to the next image (evaluated next step)
-                take = next(
-                    (
-                        i - run.n_past
-                        for i in range(run.n_past, run.n_past + take)
-                        if is_placeholder(prompt[i])
-                    ),
-                    take,
-                )
-                if take == 0:
-                    continue
-            rows = run.req.prompt_logprobs
-            if rows:  # a vocabulary of logits per token: keep the output buffer small
-                take = min(take, PROMPT_LOGPROB_CHUNK)
+            assert run.pending is not None
+            index = b.add(run.pending, run.n_past, run.slot.seq, True)
+            for j, token in enumerate(run.draft):
+                b.add(token, run.n_past + 1 + j, run.slot.seq, True)
+            entries.append((run, index, 1))
+        for run, take in chunks:
+            assert run.slot is not None
+            prompt, rows = run.req.prompt, run.req.prompt_logprobs
             index = -1
             for pos in range(run.n_past, run.n_past + take):
                 last = pos == len(prompt) - 1
@@ -703,20 +711,34 @@ class Engine:
                 if last:
                     index = i
             entries.append((run, index, take))
-            budget -= take
-        self._pin_entries = []
-        for job in self._pinning:
-            if budget <= 0 or lora != self._lora_default:
-                break
-            take = min(len(job.tokens) - job.n_past, budget)
+        self._pin_entries = pins
+        for job, take in pins:
             for pos in range(job.n_past, job.n_past + take):
                 b.add(job.tokens[pos], pos, job.slot.seq, False)
-            self._pin_entries.append((job, take))
-            budget -= take
         if not entries and self._pin_entries:
             # Only pins in this batch: llama_decode needs one output somewhere.
             b.raw.logits[b.n - 1] = True
         return entries
+
+    @staticmethod
+    def _chunk(run: Run, budget: int) -> int:
+        """How many of `run`'s prompt tokens the step takes: up to `budget`, never past
+        an image (evaluated on its own), fewer with prompt logprobs (a vocabulary of
+        logits per token: the output buffer stays small)."""
+        prompt = run.req.prompt
+        take = min(len(prompt) - run.n_past, budget)
+        if run.req.media:  # text up to the next image (evaluated next step)
+            take = next(
+                (
+                    i - run.n_past
+                    for i in range(run.n_past, run.n_past + take)
+                    if is_placeholder(prompt[i])
+                ),
+                take,
+            )
+        if run.req.prompt_logprobs:
+            take = min(take, PROMPT_LOGPROB_CHUNK)
+        return take
 
     def _decode(self, entries: list[Entry]) -> list[Entry]:
         """Decode the batch. With no KV room: evict parked sequences, then idle pinned
@@ -889,28 +911,43 @@ class Engine:
         when = time.monotonic() + self.options.next_turn_delay_s
         self._turns.append((slot, len(slot.tokens), tokens, when))
 
-    def _continue_turn(self) -> None:
-        """Idle: decode the newest finished sequence's next-turn tokens into it, so that a
-        follow-up prefills only the user's words and the assistant header. Only after
+    def _continue_turns(self) -> None:
+        """Idle: decode the finished sequences' next-turn tokens into them, all in one
+        step, so that a follow-up prefills only the user's words and the assistant
+        header. One step, not one per sequence: after eight streams end together, eight
+        small decodes kept both cores busy for most of a second (a follow-up arriving
+        meanwhile waited for the one under way, and so did other programs). Only after
         `next_turn_delay_s` of quiet: a client that asks again at once (an agent, a
         benchmark) would otherwise wait for this decode and then prefill its own words
         in a second one, which costs more than one decode of both. A sequence taken or
-        changed since is left alone."""
-        slot, length, tokens, _ = self._turns.pop()
-        if slot.busy or len(slot.tokens) != length or length + len(tokens) >= self.n_ctx:
+        changed since is left alone; newest first while the batch has room."""
+        turns = list(self._turns)
+        self._turns.clear()
+        b = self._batch
+        b.clear()
+        taken: list[tuple[Slot, int, list[int]]] = []
+        for slot, length, tokens, _ in reversed(turns):
+            if slot.busy or len(slot.tokens) != length or length + len(tokens) >= self.n_ctx:
+                continue  # taken, changed (an older entry of a reused slot) or full
+            if any(slot is s for s, _, _ in taken) or b.n + len(tokens) > b.capacity:
+                continue
+            for j, token in enumerate(tokens):
+                b.add(token, length + j, slot.seq, False)
+            taken.append((slot, length, tokens))
+        if not taken:
             return
+        b.raw.logits[b.n - 1] = True  # llama_decode wants one output
         if self._lora_now != self._lora_default:
             set_lora_scales(self.ctx, self._loras, self._lora_default)
             self._lora_now = self._lora_default
-        b = self._batch
-        b.clear()
-        for j, token in enumerate(tokens):
-            b.add(token, length + j, slot.seq, j == len(tokens) - 1)
         if ll.llama_decode(self.ctx, b.raw) != 0:
-            ll.llama_memory_seq_rm(self.kv.mem, slot.seq, length, -1)
+            for slot, length, _ in taken:
+                ll.llama_memory_seq_rm(self.kv.mem, slot.seq, length, -1)
             return
-        slot.tokens.extend(tokens)
-        self.observer.next_turn(len(tokens))
+        self.turn_steps += 1
+        for slot, _, tokens in taken:
+            slot.tokens.extend(tokens)
+            self.observer.next_turn(len(tokens))
 
     def _release(self, run: Run) -> None:
         """Park the run's sequence for reuse and forget the run."""
