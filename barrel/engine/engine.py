@@ -690,8 +690,8 @@ class Engine:
             take = min(len(job.tokens) - job.n_past, budget)
             pins.append((job, take))
             budget -= take
-        n = len(planned) + sum(len(r.draft) for r in planned)
-        align_drafts([r.draft for r in planned], n + sum(t for _, t in chunks + pins))
+        n = len(planned) + sum(len(r.draft) for r in planned) + sum(t for _, t in chunks + pins)
+        align_drafts([r.draft for r in planned], n)
         for run in planned:
             assert run.slot is not None
             assert run.pending is not None
