@@ -92,12 +92,15 @@ class NgramDrafter:
         return self.attempts < MIN_ATTEMPTS or self.accepted >= MIN_KEPT * self.attempts
 
 
-# ggml's CPU matrix products (the repacked Q4_K / Q4_0 kernels that x86 and ARM builds
-# use) take a batch's tokens four at a time and each of the one to three left over on
-# its own, at nearly the cost of a one-token step. Measured on Qwen 0.5B, 2 cores, a
-# 600-cell context, every token with logits: 4 tokens 62 ms, 5 tokens 82-86, 8 86,
-# 16 116, 17 134-143, 48 306-315, 49 322-345. A step's drafts are trimmed to make it a
-# multiple of ALIGN.
+# ggml's CPU matrix products take the rows of a batch four at a time (llamafile's
+# tinyBLAS tiles for q8_0 / q5_0 weights, the repacked Q4_K / Q4_0 kernels) and the one
+# to three left over nearly at the cost of a one-row product. That is dearest in the
+# output projection (vocabulary x embedding, the largest matrix of a small model),
+# which runs on every row with logits, and every draft row has logits. Measured on
+# Qwen 0.5B, 2 cores, a 600-cell context, every token with logits: 4 tokens 62 ms, 5
+# tokens 82-86, 8 86, 16 116, 17 134-143, 48 306-315, 49 322-345 (a prefill, logits on
+# its last row only, shows almost none of it: guides/performance.md). A step's drafts
+# are trimmed to make it a multiple of ALIGN.
 ALIGN = 4
 
 
