@@ -53,6 +53,18 @@ def req(model: LlamaModel, text: str, **kw: object) -> GenerationRequest:
     return GenerationRequest(model.tokenize(text), **kw)  # type: ignore[arg-type]
 
 
+async def cold_answer(
+    model: LlamaModel, prompt: list[int], n_ctx: int, max_tokens: int
+) -> list[int]:
+    """The tokens a fresh engine with no state cache answers `prompt` with."""
+    e = Engine(model, EngineOptions(n_ctx=n_ctx, n_seq_max=1, state_cache_bytes=0)).start()
+    try:
+        _, done, _ = await generate(e, GenerationRequest(prompt, max_tokens=max_tokens))
+    finally:
+        e.stop()
+    return done.tokens
+
+
 async def test_concurrent_sequences_match_each_alone_at_temperature_0(
     engine: Engine, model: LlamaModel
 ) -> None:
@@ -300,12 +312,7 @@ async def test_evicted_sequence_is_restored_from_the_state_cache(model: LlamaMod
         )
         assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
         # and the restored state is right: same output as a cold run
-        cold = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=1, state_cache_bytes=0)).start()
-        try:
-            _, done_cold, _ = await generate(cold, GenerationRequest(turn2, max_tokens=10))
-        finally:
-            cold.stop()
-        assert done2.tokens == done_cold.tokens
+        assert done2.tokens == await cold_answer(model, turn2, 1024, 10)
     finally:
         e.stop()
 
@@ -381,6 +388,31 @@ async def test_many_parked_cells_move_to_the_state_cache_while_others_run(
         _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5))
         assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
         assert len(e.cache) == 0
+    finally:
+        e.stop()
+
+
+async def test_a_restore_finds_room_the_parked_sequences_it_outgrows_held(
+    model: LlamaModel,
+) -> None:
+    # A conversation's saved state comes back as one contiguous run of cells. Parked
+    # sequences over PARKED_MAX_CELLS leave the KV before it is placed, not after: the
+    # restore then finds the cells they held (low in the cache) instead of the gaps they
+    # left, and it succeeds where the gaps are too small for it.
+    e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=2, max_pins=0)).start()
+    try:
+        short = model.tokenize("Notes on rivers. " * 300)[:800]
+        a = GenerationRequest(short, max_tokens=5)
+        _, done_a, _ = await generate(e, a)
+        # a long one fills the rest: the KV runs out mid-prefill, a moves to the cache,
+        # and the long one's cells end up on both sides of a gap smaller than a
+        long = model.tokenize("Notes on mountains. " * 400)[: PARKED_MAX_CELLS + 276]
+        await generate(e, GenerationRequest(long, max_tokens=5))
+        assert len(e.cache) == 1
+        turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" More.", add_special=False)]
+        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5))
+        assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
+        assert done2.tokens == await cold_answer(model, turn2, 2048, 5)
     finally:
         e.stop()
 

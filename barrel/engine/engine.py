@@ -540,16 +540,20 @@ class Engine:
             self._stopped.set()
 
     def _admit(self) -> None:
-        admitted = False
         while self._waiting:
             run = self._waiting[0]
             choice = self.kv.choose(run.req.prompt, run.req.session, run.req.scope)
             if choice is None:
                 break
-            admitted = True
             self._waiting.popleft()
             slot, lcp = choice
             run.admitted = time.monotonic()
+            # Parked sequences leave before this one's cells are placed: a state restored
+            # from the cache then lands in the cells they held, low in the KV, not above
+            # them (every step attends up to the highest used cell), and a restore that
+            # needs more contiguous cells than they left free still succeeds.
+            running = sum(len(r.req.prompt) + len(r.generated) for r in self._active)
+            self.kv.shed_parked(running + len(run.req.prompt), taking=slot)
             run.n_past, run.reuse_note = self.kv.attach(
                 slot,
                 run.req.prompt,
@@ -562,8 +566,6 @@ class Engine:
             run.reused = run.n_past
             run.slot = slot
             self._active.append(run)
-        if admitted:
-            self.kv.shed_parked(sum(len(r.req.prompt) + len(r.generated) for r in self._active))
 
     def _image_start(self, run: Run, slot: Slot) -> None:
         """KV reuse that ends inside an image goes back to the image's start: an image

@@ -165,13 +165,14 @@ class SlotManager:
         self._drop(victim)
         return True
 
-    def shed_parked(self, running: int) -> int:
+    def shed_parked(self, running: int, taking: Slot | None = None) -> int:
         """Move least recently used parked sequences to the state cache while parked cells
         exceed PARKED_MAX_CELLS and `running`, the cells the running sequences are to
-        hold; only those the cache takes leave the KV. Returns how many moved."""
+        hold; only those the cache takes leave the KV, and never `taking` (the slot a
+        request is being attached to). Returns how many moved."""
         moved = 0
         while running:
-            parked = [s for s in self.slots if not s.busy and s.tokens]
+            parked = [s for s in self.slots if not s.busy and s.tokens and s is not taking]
             if sum(len(s.tokens) for s in parked) <= max(PARKED_MAX_CELLS, running):
                 break
             victim = min(parked, key=lambda s: s.last_used)
