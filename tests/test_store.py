@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import tracemalloc
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,6 +17,7 @@ from barrel.store.gguf_meta import InvalidGGUF, read_gguf
 from barrel.store.manifests import ManifestStore
 from barrel.store.modelfile import ModelfileError, parse
 from barrel.store.names import InvalidName, ModelName, parse_digest
+from barrel.store.store import ModelStore
 from barrel.store.synthetic import write_small_gguf
 
 
@@ -117,6 +121,76 @@ def test_malformed_gguf_is_refused_without_a_big_allocation(tmp_path: Path) -> N
         assert peak < 4 << 20, (label, peak)
 
 
+def _vocab_gguf(path: Path, tokens: list[str]) -> bytes:
+    """A header with a vocabulary and merges (the arrays a real model spends its
+    header on), and the bytes written."""
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_token_list(tokens)
+    w.add_token_merges([f"{a} {b}" for a, b in itertools.pairwise(tokens)])
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def test_a_vocabulary_is_read_through_and_checked(tmp_path: Path) -> None:
+    """Thousands of length-prefixed strings read through the reader's own buffer: what
+    comes after them is read right, a fill-in-the-middle token is noticed, and a token
+    that is cut off or claims more bytes than the file has is refused."""
+    tokens = [f"tok{i:05d}" * (1 + i % 7) for i in range(30_000)] + ["<|fim_prefix|>"]
+    data = _vocab_gguf(tmp_path / "vocab.gguf", tokens)
+    info = read_gguf(tmp_path / "vocab.gguf")
+    assert info.has_fim_tokens
+    assert info.block_count == 1  # the key written before the arrays
+    assert info.parameter_count == len(tokens) * 4  # the tensor infos after them
+    _vocab_gguf(tmp_path / "plain.gguf", tokens[:-1])
+    assert not read_gguf(tmp_path / "plain.gguf").has_fim_tokens
+
+    last = data.index(b"tok29999")  # a token past the first megabyte of the header
+    assert last > 1 << 20
+    claim = last - 8  # its length prefix
+    bad = {
+        "cut in the vocabulary": data[: last + 3],
+        "a token longer than the file": data[:claim]
+        + (len(data)).to_bytes(8, "little")
+        + data[claim + 8 :],
+        "a token over 64 KiB": data[:claim] + (1 << 17).to_bytes(8, "little") + data[claim + 8 :],
+    }
+    for label, content in bad.items():
+        path = tmp_path / "bad.gguf"
+        path.write_bytes(content)
+        with pytest.raises(InvalidGGUF, match=r"truncated|claims") as refused:
+            read_gguf(path)
+        assert refused.value.status == 400, label
+
+
+def test_the_store_reads_a_blob_header_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blob never changes: the header a create reads (in the import thread, then in
+    the store actor for the config layer) is parsed once."""
+    store = ModelStore(tmp_path / "store", trial_load=False)
+    digest = store.blobs.put_bytes(write_small_gguf(tmp_path / "small.gguf").read_bytes())
+    reads: list[Path] = []
+
+    def counting(path: Path) -> object:
+        reads.append(Path(path))
+        return read_gguf(path)
+
+    monkeypatch.setattr("barrel.store.store.read_gguf", counting)
+    first = store.model_layer(digest)
+    assert store.model_layer(digest) == first
+    assert not store.is_projector(digest)
+    assert reads == [store.blobs.path(digest)]
+    store.create("a", parse(f"FROM {digest}\nSYSTEM hi\n"))
+    store.create("b", parse(f"FROM {digest}\nSYSTEM ho\n"))
+    assert len(reads) == 1
+    assert store.get("b").manifest.config == store.get("a").manifest.config
+
+
 def test_modelfile_errors_name_the_line() -> None:
     cases = {
         "FROM x\nPARAMETER num_ctx lots\n": "line 2",
@@ -148,3 +222,28 @@ def test_modelfile_round_trip() -> None:
         "use_mlock": True,
     }
     assert parse(mf.render()) == mf
+
+
+def test_an_unchanged_file_is_imported_once(tmp_path: Path) -> None:
+    """A create FROM a local file copies it into the blob store once: the same
+    unchanged file again finds its blob (not copied over: the same inode); a changed
+    file, or a blob pruned since, is read again."""
+    imports = tmp_path / "imports"
+    imports.mkdir()
+    store = ModelStore(tmp_path / "store", imports, trial_load=False)
+    source = write_small_gguf(imports / "m.gguf")
+    store.create("a", parse("FROM m.gguf\n"))
+    blob = store.get("a").model_path
+    assert blob is not None
+    digest = "sha256:" + blob.name.removeprefix("sha256-")
+    inode = blob.stat().st_ino
+    store.create("b", parse("FROM m.gguf\nSYSTEM hi\n"))
+    assert store.get("b").model_path == blob
+    assert blob.stat().st_ino == inode
+
+    write_small_gguf(source, seed=6)  # new content
+    changed = store.import_file(source)
+    assert changed != digest
+    store.blobs.path(changed).unlink()  # as prune does once no manifest names it
+    assert store.import_file(source) == changed
+    assert store.blobs.path(changed).is_file()

@@ -263,9 +263,7 @@ class ModelManager:
         return spec
 
     def _import(self, text: str) -> str:
-        path = self.store.import_path(text)
-        with path.open("rb") as f:
-            return self.store.blobs.put_stream(iter(lambda: f.read(1 << 20), b""))
+        return self.store.import_file(self.store.import_path(text))
 
     async def copy(self, source: str, destination: str) -> None:
         """Another name for a model. A file registered with --model is copied into the
@@ -284,8 +282,7 @@ class ModelManager:
         )
 
     def _import_local(self, path: Path) -> str:
-        with path.open("rb") as f:
-            digest = self.store.blobs.put_stream(iter(lambda: f.read(1 << 20), b""))
+        digest = self.store.import_file(path)
         self.store.check_loadable(digest)
         return digest
 

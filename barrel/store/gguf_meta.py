@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,6 +32,7 @@ MAX_KEY = 1 << 16
 MAX_STRING = 16 << 20  # a chat template is tens of KiB; 16 MiB is generous
 MAX_COUNT = 1 << 24
 MAX_DIMS = 8
+_U64 = struct.Struct("<Q")
 
 _SCALARS: dict[GGUFValueType, tuple[str, int]] = {
     GGUFValueType.UINT8: ("<B", 1),
@@ -203,18 +205,67 @@ class GGUFInfo:
 
 
 class _Reader:
+    """Reads a GGUF header front to back through its own buffer: a vocabulary is
+    150,000 length-prefixed strings, and a call into a buffered file (read, tell, seek)
+    for each cost more than the parse."""
+
+    CHUNK = 1 << 20
+
     def __init__(self, f: BinaryIO, size: int) -> None:
         self.f = f
         self.size = size
+        self.buf = b""
+        self.off = 0  # the next byte in buf
+        self.base = 0  # the file offset of buf[0]
 
-    def read(self, n: int) -> bytes:
-        data = self.f.read(n)
-        if len(data) != n:
-            raise InvalidGGUF("truncated GGUF header")
-        return data
+    @property
+    def pos(self) -> int:
+        return self.base + self.off
 
     def remaining(self) -> int:
-        return self.size - self.f.tell()
+        return self.size - self.pos
+
+    def _fill(self, n: int) -> None:
+        """At least n unread bytes in buf."""
+        if self.off + n <= len(self.buf):
+            return
+        rest = self.buf[self.off :]
+        self.base += self.off
+        self.buf = rest + self.f.read(max(n - len(rest), self.CHUNK))
+        self.off = 0
+        if len(self.buf) < n:
+            raise InvalidGGUF("truncated GGUF header")
+
+    def read(self, n: int) -> bytes:
+        self._fill(n)
+        data = self.buf[self.off : self.off + n]
+        self.off += n
+        return data
+
+    def skip(self, n: int) -> None:
+        if self.off + n <= len(self.buf):
+            self.off += n
+            return
+        beyond = self.off + n - len(self.buf)
+        self.f.seek(beyond, io.SEEK_CUR)
+        self.base += len(self.buf) + beyond
+        self.buf, self.off = b"", 0
+
+    def strings(self, count: int, limit: int) -> Iterator[bytes]:
+        """`count` length-prefixed strings of at most `limit` bytes (the loop a
+        vocabulary goes through, kept free of calls)."""
+        unpack = _U64.unpack_from
+        for _ in range(count):
+            if self.off + 8 > len(self.buf):
+                self._fill(8)
+            n = unpack(self.buf, self.off)[0]
+            self.off += 8
+            if n > limit or n > self.size - self.base - self.off:
+                raise InvalidGGUF(f"a GGUF string claims {n} bytes")
+            if self.off + n > len(self.buf):
+                self._fill(n)
+            yield self.buf[self.off : self.off + n]
+            self.off += n
 
     def scalar(self, vtype: GGUFValueType) -> Any:
         fmt, n = _SCALARS[vtype]
@@ -224,7 +275,10 @@ class _Reader:
         return int(struct.unpack("<I", self.read(4))[0])
 
     def u64(self) -> int:
-        return int(struct.unpack("<Q", self.read(8))[0])
+        self._fill(8)
+        value: int = _U64.unpack_from(self.buf, self.off)[0]
+        self.off += 8
+        return value
 
     def raw_string(self, limit: int = MAX_STRING) -> bytes:
         n = self.u64()
@@ -239,7 +293,7 @@ class _Reader:
         n = self.u64()
         if n > self.remaining():
             raise InvalidGGUF(f"a GGUF string claims {n} bytes")
-        self.f.seek(n, io.SEEK_CUR)
+        self.skip(n)
 
     def value_type(self) -> GGUFValueType:
         code = self.u32()
@@ -296,7 +350,7 @@ def _parse(r: _Reader) -> GGUFInfo:
     alignment = int(info.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
     if alignment <= 0 or alignment & (alignment - 1):
         raise InvalidGGUF(f"general.alignment must be a power of two, not {alignment}")
-    data_start = -(-r.f.tell() // alignment) * alignment
+    data_start = -(-r.pos // alignment) * alignment
     if data_start + data_end > r.size:
         missing = data_start + data_end - r.size
         raise InvalidGGUF(f"the file is truncated: its tensors need {missing} more bytes")
@@ -336,29 +390,30 @@ def _read_array(r: _Reader, key: str, info: GGUFInfo) -> None:
     if etype == GGUFValueType.ARRAY or count > MAX_COUNT or count * min_size > r.remaining():
         raise InvalidGGUF(f"GGUF array {key!r} claims {count} elements")
     if etype == GGUFValueType.STRING:
-        keep = key in _KEEP_ARRAYS
-        vocab = key == "tokenizer.ggml.tokens"
-        values = []
-        seen: set[bytes] = set()
-        for i in range(count):
-            if vocab:
-                # llama.cpp asserts that every token text is unique: check it here.
-                raw = r.raw_string(1 << 16)
-                if raw in seen:
-                    raise InvalidGGUF(f"the vocabulary has a duplicate token (id {i})")
-                seen.add(raw)
-                if raw.decode("utf-8", errors="replace") in _FIM_TOKENS:
-                    info.has_fim_tokens = True
-            elif keep:
-                values.append(r.string(1 << 16))
-            else:
-                r.skip_string()
-        if keep:
-            info.metadata[key] = values
+        if key == "tokenizer.ggml.tokens":
+            _check_vocabulary(r.strings(count, 1 << 16), info)
+        elif key in _KEEP_ARRAYS:
+            info.metadata[key] = [
+                raw.decode("utf-8", errors="replace") for raw in r.strings(count, 1 << 16)
+            ]
+        else:
+            for _ in r.strings(count, r.size):
+                pass
         return
     fmt, n = _SCALARS[etype]
     if key in _KEEP_ARRAYS and count <= 4096:
         data = r.read(n * count)
         info.metadata[key] = [v[0] for v in struct.iter_unpack(fmt, data)]
     else:
-        r.f.seek(n * count, io.SEEK_CUR)
+        r.skip(n * count)
+
+
+def _check_vocabulary(tokens: Iterator[bytes], info: GGUFInfo) -> None:
+    """llama.cpp asserts that every token text is unique: check it here, and note
+    fill-in-the-middle tokens."""
+    seen: set[bytes] = set()
+    for i, raw in enumerate(tokens):
+        if raw in seen:
+            raise InvalidGGUF(f"the vocabulary has a duplicate token (id {i})")
+        seen.add(raw)
+    info.has_fim_tokens = any(t.encode() in seen for t in _FIM_TOKENS)

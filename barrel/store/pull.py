@@ -85,8 +85,7 @@ def run_pull(
 def _import_file(store: ModelStore, path: Path, emit: Emit) -> Layer:
     total = path.stat().st_size
     emit({"status": "pulling file", "total": total, "completed": 0})
-    with path.open("rb") as f:
-        digest = store.blobs.put_stream(iter(lambda: f.read(1 << 20), b""))
+    digest = store.import_file(path)
     emit({"status": f"pulling {digest}", "digest": digest, "total": total, "completed": total})
     emit({"status": "verifying sha256 digest"})
     return Layer(mt.MODEL, digest, total)

@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from barrel.store.trial import trial_load
 
 logger = logging.getLogger(__name__)
 
+HEADERS_KEPT = 64  # parsed GGUF headers and imported files remembered
 PULL_CONTEXT_CAP = 32768  # stored context at pull/create; max_context_size applies at load
 
 
@@ -139,6 +141,13 @@ class ModelStore:
         self._loadable: set[str] = set()
         self._loadable_pairs: set[tuple[str, str]] = set()  # (model, projector)
         self.trial_load = trial_load
+        # Parsed GGUF headers by blob digest (a blob never changes): a create FROM a model
+        # file reads its header in the import thread, the store actor finds it here.
+        self._headers: OrderedDict[str, GGUFInfo] = OrderedDict()
+        # Local files imported, by (path, inode, size, mtime): the blob each became. A
+        # create FROM the same unchanged file does not read and copy it again.
+        self._imported: OrderedDict[tuple[str, int, int, int], str] = OrderedDict()
+        self._memo_lock = threading.Lock()
 
     @contextlib.contextmanager
     def download_slot(self, key: str) -> Iterator[Path]:
@@ -225,13 +234,46 @@ class ModelStore:
         data = text.encode("utf-8")
         return Layer(media_type, self.blobs.put_bytes(data), len(data))
 
+    def import_file(self, path: Path) -> str:
+        """Copy a local file into the blob store, hashed on the way (slow: a worker
+        thread). A file imported before and unchanged since (the same inode, size and
+        modification time) whose blob is still stored is not read again."""
+        st = path.stat()
+        key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._memo_lock:
+            digest = self._imported.get(key)
+        if digest is not None and self.blobs.has(digest):
+            return digest
+        with path.open("rb") as f:
+            digest = self.blobs.put_stream(iter(lambda: f.read(1 << 20), b""))
+        with self._memo_lock:
+            self._imported[key] = digest
+            while len(self._imported) > HEADERS_KEPT:
+                self._imported.popitem(last=False)
+        return digest
+
+    def header(self, digest: str) -> GGUFInfo:
+        """The GGUF header of a stored blob, parsed once (InvalidGGUF, a 400, if it is
+        not one; a vocabulary takes a fifth of a second to read)."""
+        with self._memo_lock:
+            info = self._headers.get(digest)
+            if info is not None:
+                self._headers.move_to_end(digest)
+                return info
+        info = read_gguf(self.blobs.path(digest))
+        with self._memo_lock:
+            self._headers[digest] = info
+            while len(self._headers) > HEADERS_KEPT:
+                self._headers.popitem(last=False)
+        return info
+
     def model_layer(self, digest: str) -> tuple[Layer, Layer]:
         """(model layer, config layer) for a GGUF blob already in the store. A malformed
         file is refused with 400 and the blob left for prune."""
         path = self.blobs.path(digest)
         if not path.is_file():
             raise NotFound(f"blob {digest} not found; upload it first")
-        info = read_gguf(path)
+        info = self.header(digest)
         layer = Layer(mt.MODEL, digest, path.stat().st_size)
         return layer, self._json_layer(mt.CONFIG, config_for(info))
 
@@ -244,7 +286,7 @@ class ModelStore:
         path = self.blobs.path(digest)
         if not path.is_file():
             raise NotFound(f"blob {digest} not found; upload it first")
-        info = read_gguf(path)
+        info = self.header(digest)
         trial_load(path, embedding=info.is_embedding_model)
         self._loadable.add(digest)
 
@@ -301,9 +343,7 @@ class ModelStore:
             parse_digest(spec.from_)
             model, config = self.model_layer(spec.from_)
         elif looks_like_path(spec.from_):
-            path = self.import_path(spec.from_)
-            with path.open("rb") as f:
-                digest = self.blobs.put_stream(iter(lambda: f.read(1 << 20), b""))
+            digest = self.import_file(self.import_path(spec.from_))
             model, config = self.model_layer(digest)
         elif spec.from_:
             base = self.get(spec.from_)
@@ -336,7 +376,7 @@ class ModelStore:
             raise ModelfileError("at most one projector (a second FROM) is allowed")
         for projector in spec.projectors:
             digest = self._blob_of(projector, "projector")
-            info = read_gguf(self.blobs.path(digest))
+            info = self.header(digest)
             if info.architecture != "clip":
                 raise ModelfileError(
                     f"a second FROM must be a multimodal projector GGUF (architecture "
@@ -367,7 +407,7 @@ class ModelStore:
         if not self.blobs.has(digest):
             return False
         try:
-            return read_gguf(self.blobs.path(digest)).architecture == "clip"
+            return self.header(digest).architecture == "clip"
         except Exception:  # noqa: BLE001 - not a GGUF: model_layer says why
             return False
 
@@ -377,9 +417,7 @@ class ModelStore:
             digest = ref
             parse_digest(digest)
         else:
-            path = self.import_path(ref)
-            with path.open("rb") as f:
-                digest = self.blobs.put_stream(iter(lambda: f.read(1 << 20), b""))
+            digest = self.import_file(self.import_path(ref))
         if not self.blobs.has(digest):
             raise NotFound(f"{what} blob {digest} not found")
         return digest
