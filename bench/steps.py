@@ -3,15 +3,18 @@ engine's own context settings (barrel.engine.context), variants interleaved so t
 drift of a noisy box falls on all of them alike.
 
     .venv/bin/python -m bench.steps [--sizes 1,2,4,8,16] [--context 600] [--parked 0]
-        [--logits all|last] [--flash auto,off] [--kv f16,q8_0] [--streams 4,8] [--reps 7]
+        [--logits all|last] [--flash auto,off] [--kv f16,q8_0] [--layout unified,split]
+        [--streams 4,8] [--reps 7]
 
 One sequence holds `--context` tokens and, with `--parked`, another sequence holds that
 many more cells (a parked conversation). A step of n tokens continues the first
 sequence and is removed again: with `--logits all` every row has logits (a draft being
 verified), with `last` only the last (a prefill). `--streams k` also times a step of k
-sequences of 200 cells, one token each (k streams generating). Each pair of a
-flash-attention setting and a KV cache type gets its own context; the medians (ms)
-print as a Markdown table.
+sequences of 200 cells, one token each (k streams generating). Each combination of a
+flash-attention setting, a KV cache type and a KV layout gets its own context: `unified`
+is the engine's (one KV stream that every sequence shares, 8,192 cells), `split` gives
+each sequence a stream of its own (8,192 cells each), as llama-server runs. The medians
+(ms) print as a Markdown table.
 """
 
 from __future__ import annotations
@@ -27,19 +30,21 @@ from barrel.engine.context import Batch, EngineOptions, KVType, new_context
 from barrel.engine.model import LlamaModel
 from barrel.store import bundled
 
-N_CTX = 4096
+N_CTX = 8192
 STREAM_CELLS = 200
 CHUNK = 512
 
 
 class Variant:
-    def __init__(self, model: LlamaModel, flash: str, kv: str, args: argparse.Namespace) -> None:
+    def __init__(
+        self, model: LlamaModel, flash: str, kv: str, layout: str, args: argparse.Namespace
+    ) -> None:
         seqs = 2 + max(args.streams, default=0)
         opts = EngineOptions(
             n_ctx=N_CTX, n_seq_max=seqs, max_pins=0, flash_attn=flash, kv_type=KVType(kv)
         )
-        self.name = f"flash_attn {flash}, kv {kv}"
-        self.ctx: Any = new_context(model, opts, N_CTX)
+        self.name = f"flash_attn {flash}, kv {kv}, {layout}"
+        self.ctx: Any = new_context(model, opts, N_CTX, unified=layout == "unified")
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = Batch(CHUNK)
         self.times: dict[str, list[float]] = {}
@@ -88,11 +93,17 @@ def main() -> None:
     parser.add_argument("--logits", choices=("all", "last"), default="all")
     parser.add_argument("--flash", type=lambda t: t.split(","), default=["auto"])
     parser.add_argument("--kv", type=lambda t: t.split(","), default=["f16"])
+    parser.add_argument("--layout", type=lambda t: t.split(","), default=["unified"])
     parser.add_argument("--streams", type=numbers, default=[])
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     model = LlamaModel.load(bundled.assemble("qwen2.5-coder-0.5b"))
-    variants = [Variant(model, flash, kv, args) for flash in args.flash for kv in args.kv]
+    variants = [
+        Variant(model, flash, kv, layout, args)
+        for flash in args.flash
+        for kv in args.kv
+        for layout in args.layout
+    ]
     for _ in range(args.reps):
         for n in args.sizes:
             for v in variants:

@@ -110,10 +110,12 @@ def effective_options(opts: EngineOptions) -> EngineOptions:
     return dataclasses.replace(opts, max_pins=0, n_batch=ubatch, n_ubatch=ubatch)
 
 
-def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
-    """Create the context. kv_unified is on: one request may use the whole n_ctx."""
+def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int, *, unified: bool = True) -> Any:
+    """Create the context. kv_unified is on: one request may use the whole n_ctx.
+    `unified=False` gives every sequence a KV stream of its own, n_ctx cells each, as
+    llama-server runs (only bench/steps uses it: the engine's slots assume one stream)."""
     params = ll.llama_context_default_params()
-    params.n_ctx = n_ctx
+    params.n_ctx = n_ctx if unified else n_ctx * (opts.n_seq_max + opts.max_pins)
     params.n_batch = opts.n_batch
     params.n_ubatch = min(opts.n_ubatch, opts.n_batch)
     params.n_seq_max = opts.n_seq_max + opts.max_pins
@@ -123,7 +125,7 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
     params.type_k = _KV_TYPES[opts.kv_type]
     params.type_v = _KV_TYPES[opts.kv_type]
     params.flash_attn_type = _FLASH[opts.flash_attn]
-    params.kv_unified = True
+    params.kv_unified = unified
     params.swa_full = opts.swa_full
     params.no_perf = True
     if opts.embedding:
