@@ -13,8 +13,10 @@ verified), with `last` only the last (a prefill). `--streams k` also times a ste
 sequences of 200 cells, one token each (k streams generating). Each combination of a
 flash-attention setting, a KV cache type and a KV layout gets its own context: `unified`
 is the engine's (one KV stream that every sequence shares, 8,192 cells), `split` gives
-each sequence a stream of its own (8,192 cells each), as llama-server runs. The medians
-(ms) print as a Markdown table.
+each sequence a stream of its own (8,192 cells each; `EngineOptions.kv_per_sequence`),
+as llama-server runs. Flash attention `auto` with `split` is off on a CPU, as in the
+engine: llama-server's own setting is `--flash on --layout split`. The medians (ms)
+print as a Markdown table.
 """
 
 from __future__ import annotations
@@ -41,10 +43,15 @@ class Variant:
     ) -> None:
         seqs = 2 + max(args.streams, default=0)
         opts = EngineOptions(
-            n_ctx=N_CTX, n_seq_max=seqs, max_pins=0, flash_attn=flash, kv_type=KVType(kv)
+            n_ctx=N_CTX,
+            n_seq_max=seqs,
+            max_pins=0,
+            flash_attn=flash,
+            kv_type=KVType(kv),
+            kv_per_sequence=layout == "split",
         )
         self.name = f"flash_attn {flash}, kv {kv}, {layout}"
-        self.ctx: Any = new_context(model, opts, N_CTX, unified=layout == "unified")
+        self.ctx: Any = new_context(model, opts, N_CTX)
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = Batch(CHUNK)
         self.times: dict[str, list[float]] = {}

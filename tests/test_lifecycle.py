@@ -249,6 +249,32 @@ async def test_api_ps(aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Pat
     running_model.validate(model)
 
 
+async def test_a_kv_stream_per_sequence_is_counted_in_api_ps(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    """`models.defaults.kv_per_sequence`: the KV cache is allocated once for each
+    sequence and the pinned prefix, and /api/ps says so; the model still answers."""
+    file_size = await asyncio.to_thread(os.path.getsize, tiny_path)
+    kv: dict[bool, int] = {}
+    for per_sequence in (False, True):
+        client, lc = await start(
+            aiohttp_client,
+            tmp_path / str(per_sequence),
+            {"tiny": tiny_path},
+            defaults={"kv_per_sequence": per_sequence},
+        )
+        lease = await lc.acquire("tiny", keep_alive=60)
+        (model,) = (await (await client.get("/api/ps")).json())["models"]
+        assert model["context_length"] == 1024  # a request's context either way
+        kv[per_sequence] = model["size"] - file_size
+        request = GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=3)
+        _, done = await lease.engine.submit(request).collect()
+        assert done.usage.completion_tokens == 3
+        await lc.release(lease)
+    assert kv[False] > 0
+    assert kv[True] == 3 * kv[False]  # two sequences and a pinned prefix
+
+
 async def test_a_failed_load_gives_every_waiter_the_cause(
     aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
 ) -> None:

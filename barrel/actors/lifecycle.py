@@ -213,15 +213,18 @@ class Lifecycle:
             grammar_sample_s=self.config.limits.grammar_sample_s,
             speculation=str(params.get("speculation", d.speculation)),
             draft_max=max(0, min(64, int(params.get("draft_max", d.draft_max)))),
+            kv_per_sequence=d.kv_per_sequence,
         )
         margin = self.config.models.model_load_memory_margin_b
+        # the KV cache is allocated once a sequence (and pinned prefix) when each has its own
+        kv_cells = n_ctx * (options.n_seq_max + options.max_pins if d.kv_per_sequence else 1)
         return ModelSpec(
             name=name,
             path=path,
             engine=options,
             model=model_options_for(params),
             size_bytes=size,
-            estimate_bytes=estimate(size, meta, n_ctx, kv_type, margin),
+            estimate_bytes=estimate(size, meta, kv_cells, kv_type, margin),
             details=details,
             digest=digest,
             residency=str(
@@ -393,7 +396,9 @@ class Lifecycle:
         embed_spec = dataclasses.replace(
             spec,
             name=f"{spec.name}#embed",
-            engine=dataclasses.replace(spec.engine, embedding=True, max_pins=0),
+            engine=dataclasses.replace(
+                spec.engine, embedding=True, max_pins=0, kv_per_sequence=False
+            ),
         )
         return await self._acquire_spec(embed_spec, keep_alive, None, None)
 

@@ -93,6 +93,12 @@ class EngineOptions:
     next_turn_delay_s: float = 0.2
     # A multimodal projector GGUF (barrel.engine.vision): the model then reads images.
     mmproj: Path | None = None
+    # A KV stream of n_ctx cells for each sequence (the context is allocated n_seq_max
+    # + max_pins times, as llama-server's -np does) instead of one stream all share:
+    # no sequence's attention spans another's cells. With flash_attn "auto" on a CPU,
+    # flash attention is then off: the CPU flash-attention kernel walks the cache a cell
+    # at a time, so prefills run faster as matrix products (guides/performance.md).
+    kv_per_sequence: bool = False
 
 
 def effective_options(opts: EngineOptions) -> EngineOptions:
@@ -110,10 +116,10 @@ def effective_options(opts: EngineOptions) -> EngineOptions:
     return dataclasses.replace(opts, max_pins=0, n_batch=ubatch, n_ubatch=ubatch)
 
 
-def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int, *, unified: bool = True) -> Any:
-    """Create the context. kv_unified is on: one request may use the whole n_ctx.
-    `unified=False` gives every sequence a KV stream of its own, n_ctx cells each, as
-    llama-server runs (only bench/steps uses it: the engine's slots assume one stream)."""
+def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
+    """Create the context: one KV stream that every sequence shares (one request may
+    use the whole n_ctx), or with `kv_per_sequence` a stream of n_ctx cells for each."""
+    unified = opts.embedding or not opts.kv_per_sequence
     params = ll.llama_context_default_params()
     params.n_ctx = n_ctx if unified else n_ctx * (opts.n_seq_max + opts.max_pins)
     params.n_batch = opts.n_batch
@@ -124,7 +130,7 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int, *, unified: 
     params.n_threads_batch = threads
     params.type_k = _KV_TYPES[opts.kv_type]
     params.type_v = _KV_TYPES[opts.kv_type]
-    params.flash_attn_type = _FLASH[opts.flash_attn]
+    params.flash_attn_type = _FLASH[flash_attention(model, opts)]
     params.kv_unified = unified
     params.swa_full = opts.swa_full
     params.no_perf = True
@@ -150,6 +156,16 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int, *, unified: 
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context for {model.path.name}")
     return ctx
+
+
+def flash_attention(model: LlamaModel, opts: EngineOptions) -> str:
+    """The flash-attention setting a context gets: "auto" with a KV stream per sequence
+    and no GPU is "off" (see EngineOptions.kv_per_sequence)."""
+    on_cpu = model.options.n_gpu_layers == 0 or not ll.llama_supports_gpu_offload()
+    plain = opts.kv_type is KVType.F16 and not opts.embedding  # a quantized V needs flash
+    if opts.flash_attn == "auto" and opts.kv_per_sequence and on_cpu and plain:
+        return "off"
+    return opts.flash_attn
 
 
 def apply_loras(model: LlamaModel, ctx: Any, loras: tuple[LoraAdapter, ...]) -> list[Any]:

@@ -209,7 +209,14 @@ class Engine:
         cache = StateCache(
             opts.state_cache_bytes, opts.state_cache_dir, opts.state_cache_disk_bytes
         )
-        self.kv = SlotManager(self.ctx, model, opts.n_seq_max, opts.max_pins, cache)
+        self.kv = SlotManager(
+            self.ctx,
+            model,
+            opts.n_seq_max,
+            opts.max_pins,
+            cache,
+            per_sequence=opts.kv_per_sequence and not opts.embedding,
+        )
         self._batch = Batch(max(opts.n_batch, 1))
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ids = itertools.count(1)
@@ -692,8 +699,11 @@ class Engine:
             take = min(len(job.tokens) - job.n_past, budget)
             pins.append((job, take))
             budget -= take
+        if self.kv.per_sequence:
+            self._one_ubatch(planned, chunks)
         n = len(planned) + sum(len(r.draft) for r in planned) + sum(t for _, t in chunks + pins)
-        align_drafts([r.draft for r in planned], n)
+        if not (self.kv.per_sequence and len(planned) > 1):
+            align_drafts([r.draft for r in planned], n)
         for run in planned:
             assert run.slot is not None
             assert run.pending is not None
@@ -721,6 +731,19 @@ class Engine:
             # Only pins in this batch: llama_decode needs one output somewhere.
             b.raw.logits[b.n - 1] = True
         return entries
+
+    @staticmethod
+    def _one_ubatch(planned: list[Run], chunks: list[tuple[Run, int]]) -> None:
+        """With a KV stream per sequence llama.cpp splits a step into micro-batches of
+        consecutive sequence ids with as many tokens each, and every micro-batch reads
+        all the weights again: generating sequences go in sequence order with drafts of
+        one length (the shortest), so that their step stays one micro-batch."""
+        planned.sort(key=lambda r: r.slot.seq if r.slot is not None else -1)
+        chunks.sort(key=lambda c: c[0].slot.seq if c[0].slot is not None else -1)
+        if len(planned) > 1:
+            shortest = min(len(r.draft) for r in planned)
+            for run in planned:
+                del run.draft[shortest:]
 
     @staticmethod
     def _chunk(run: Run, budget: int) -> int:

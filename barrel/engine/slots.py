@@ -9,7 +9,10 @@ shares the longest prefix any other sequence holds: with a unified KV cache,
 llama_memory_seq_cp tags the same cells, so a regenerated answer, a second user of the
 same system prompt or a code edit asked again costs nothing, and no parked conversation
 is cut for a few common tokens. Parked sequences pushed out of the context go to the
-state cache and come back on a prefix match. Engine thread only.
+state cache and come back on a prefix match. With a KV stream per sequence
+(`EngineOptions.kv_per_sequence`) a shared prefix is a copy of the source's whole
+stream cut to the prefix, and parked sequences stay: they hold their own stream and
+cost no other sequence anything. Engine thread only.
 """
 
 from __future__ import annotations
@@ -38,9 +41,17 @@ PARKED_MAX_CELLS = 1024
 
 class SlotManager:
     def __init__(
-        self, ctx: Any, model: LlamaModel, n_seq: int, n_pins: int, cache: StateCache
+        self,
+        ctx: Any,
+        model: LlamaModel,
+        n_seq: int,
+        n_pins: int,
+        cache: StateCache,
+        *,
+        per_sequence: bool = False,
     ) -> None:
         self.ctx = ctx
+        self.per_sequence = per_sequence  # a KV stream of its own for each sequence
         self.mem = ll.llama_get_memory(ctx)
         self.model = model
         self.cache = cache
@@ -160,6 +171,8 @@ class SlotManager:
         parked = [s for s in self.slots if not s.busy and s.tokens]
         if not parked:
             return False
+        if self.per_sequence:
+            return False  # a full stream is the sequence's own: no other's cells help
         victim = min(parked, key=lambda s: s.last_used)
         self.save(victim)
         self._drop(victim)
@@ -171,7 +184,7 @@ class SlotManager:
         hold; only those the cache takes leave the KV, and never `taking` (the slot a
         request is being attached to). Returns how many moved."""
         moved = 0
-        while running:
+        while running and not self.per_sequence:
             parked = [s for s in self.slots if not s.busy and s.tokens and s is not taking]
             if sum(len(s.tokens) for s in parked) <= max(PARKED_MAX_CELLS, running):
                 break
@@ -191,7 +204,7 @@ class SlotManager:
         """Free the least recently used idle pinned prefix: a pin is only a cache, and a
         running request that needs its cells comes first."""
         idle = [p for p in self.pins if not p.busy and p.tokens]
-        if not idle:
+        if not idle or self.per_sequence:
             return False
         victim = min(idle, key=lambda p: p.last_used)
         ll.llama_memory_seq_rm(self.mem, victim.seq, -1, -1)
@@ -265,9 +278,14 @@ class SlotManager:
     def _share(self, slot: Slot, n: int, src: Slot) -> int:
         """Give `slot` the first `n` cells of `src`. With a unified KV cache,
         llama_memory_seq_cp tags the same cells with the slot's sequence: nothing is
-        recomputed or copied."""
+        recomputed or copied. Between streams llama.cpp copies whole streams only (at the
+        next decode; a partial range is an assert), so the copy is cut to `n` after."""
         ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
-        ll.llama_memory_seq_cp(self.mem, src.seq, slot.seq, 0, n)
+        if self.per_sequence:
+            ll.llama_memory_seq_cp(self.mem, src.seq, slot.seq, -1, -1)
+            ll.llama_memory_seq_rm(self.mem, slot.seq, n, -1)
+        else:
+            ll.llama_memory_seq_cp(self.mem, src.seq, slot.seq, 0, n)
         slot.tokens = list(src.tokens[:n])
         src.touch()
         return n

@@ -1,0 +1,121 @@
+"""A KV stream per sequence (`EngineOptions.kv_per_sequence`), on the tiny model: each
+sequence gets n_ctx cells of its own, flash attention `auto` is off on a CPU, and what
+the engine does with one shared stream still holds: concurrent answers, a conversation's
+next turn, a prefix another sequence or a pin holds (a whole-stream copy cut to the
+prefix), and a state restored from the state cache. Answers are compared with a cold
+engine of the same layout (flash attention on and off round differently)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import llama_cpp as ll
+import pytest
+
+from barrel.engine.context import flash_attention
+from barrel.engine.engine import Engine, EngineOptions
+from barrel.engine.model import LlamaModel
+from barrel.engine.types import Done, GenerationRequest, SessionId
+
+N_CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path: Path) -> Iterator[LlamaModel]:
+    m = LlamaModel.load(tiny_path)
+    yield m
+    m.free()
+
+
+def options(**kw: object) -> EngineOptions:
+    return EngineOptions(n_ctx=N_CTX, kv_per_sequence=True, **kw)  # type: ignore[arg-type]
+
+
+async def answer(engine: Engine, prompt: list[int], max_tokens: int, **kw: object) -> Done:
+    request = GenerationRequest(prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    _, done = await engine.submit(request).collect()
+    return done
+
+
+async def cold(model: LlamaModel, prompt: list[int], max_tokens: int) -> list[int]:
+    """The tokens a fresh engine of this layout, with no state cache, answers with."""
+    e = Engine(model, options(n_seq_max=1, max_pins=0, state_cache_bytes=0)).start()
+    try:
+        done = await answer(e, prompt, max_tokens)
+        assert done.usage.prompt_reused == 0
+        return list(done.tokens)
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+async def test_each_sequence_gets_its_own_cells_and_concurrent_answers_hold(
+    model: LlamaModel,
+) -> None:
+    opts = options(n_seq_max=4, max_pins=1)
+    assert flash_attention(model, opts) == "off"  # the tiny model runs on the CPU
+    assert flash_attention(model, EngineOptions(kv_per_sequence=False)) == "auto"
+    e = Engine(model, opts).start()
+    try:
+        assert ll.llama_n_ctx(e.ctx) == N_CTX * 5  # four sequences and a pin
+        prompts = [model.tokenize(t) for t in ("Hello world", "def f(x):", "Dear Sir,", "1, 2,")]
+        together = await asyncio.gather(*(answer(e, p, 30) for p in prompts))
+        alone = [await cold(model, p, 30) for p in prompts]
+        assert [list(d.tokens) for d in together] == alone
+        assert len({tuple(t) for t in alone}) == len(prompts)
+        # a request may use its sequence's whole context while another runs beside it
+        long = model.tokenize("word " * (N_CTX - 20))
+        assert len(long) > N_CTX - 40
+        big, small = await asyncio.gather(answer(e, long, 8), answer(e, prompts[0], 30))
+        assert len(big.tokens) == 8
+        assert list(small.tokens) == alone[0]
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+async def test_turns_prefixes_and_pins_are_reused_from_other_streams(model: LlamaModel) -> None:
+    e = Engine(model, options(n_seq_max=3, max_pins=1)).start()
+    try:
+        system = model.tokenize("You are a careful assistant who answers briefly. " * 12)
+        first = [*system, *model.tokenize(" What is 2+2?", add_special=False)]
+        done1 = await answer(e, first, 12, session=SessionId("a"))
+        # the next turn continues its own sequence
+        turn2 = [*first, *done1.tokens, *model.tokenize(" And 3+3?", add_special=False)]
+        done2 = await answer(e, turn2, 12, session=SessionId("a"))
+        assert done2.usage.prompt_reused == len(first) + len(done1.tokens) - 1
+        assert list(done2.tokens) == await cold(model, turn2, 12)
+        # another user of the same system prompt copies it from a's stream
+        other = [*system, *model.tokenize(" Name a colour.", add_special=False)]
+        done3 = await answer(e, other, 12, session=SessionId("b"))
+        assert done3.usage.prompt_reused >= len(system)
+        assert list(done3.tokens) == await cold(model, other, 12)
+        # and a's conversation is still whole in its own stream
+        turn3 = [*turn2, *done2.tokens, *model.tokenize(" Thanks.", add_special=False)]
+        done4 = await answer(e, turn3, 6, session=SessionId("a"))
+        assert done4.usage.prompt_reused == len(turn2) + len(done2.tokens) - 1
+        # a pinned prefix is copied the same way
+        pinned = model.tokenize("Rules: be terse and exact. " * 10)
+        assert await e.pin(pinned) == len(pinned)
+        asked = [*pinned, *model.tokenize(" Why?", add_special=False)]
+        done5 = await answer(e, asked, 10, session=SessionId("c"))
+        assert done5.usage.prompt_reused == len(pinned)
+        assert list(done5.tokens) == await cold(model, asked, 10)
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+async def test_a_conversation_comes_back_from_the_state_cache(model: LlamaModel) -> None:
+    e = Engine(model, options(n_seq_max=1, max_pins=0)).start()
+    try:
+        a = model.tokenize("The quick brown fox")
+        done_a = await answer(e, a, 30, session=SessionId("a"))
+        # b takes the only sequence: a's state goes to the RAM cache
+        await answer(e, model.tokenize("Lorem ipsum"), 30, session=SessionId("b"))
+        assert len(e.cache) == 1
+        turn2 = [*a, *done_a.tokens, *model.tokenize(" jumps", add_special=False)]
+        done2 = await answer(e, turn2, 10, session=SessionId("a"))
+        assert done2.usage.prompt_reused == len(a) + len(done_a.tokens) - 1
+        assert list(done2.tokens) == await cold(model, turn2, 10)
+    finally:
+        await asyncio.to_thread(e.stop)
