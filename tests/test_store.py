@@ -167,6 +167,26 @@ def test_a_vocabulary_is_read_through_and_checked(tmp_path: Path) -> None:
         assert refused.value.status == 400, label
 
 
+def test_a_long_string_in_a_skipped_array_is_not_read_into_memory(tmp_path: Path) -> None:
+    """A merges entry of 8 MiB (an array the reader skips) costs a seek, not 8 MiB."""
+    w = gguf.GGUFWriter(tmp_path / "long.gguf", "llama")
+    w.add_block_count(1)
+    w.add_token_merges(["a b", "x" * (8 << 20), "c d"])
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tracemalloc.start()
+    try:
+        info = read_gguf(tmp_path / "long.gguf")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.parameter_count == 16  # the tensor infos after the array were read
+    assert peak < 4 << 20, peak
+
+
 def test_the_store_reads_a_blob_header_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -397,8 +397,8 @@ def _read_array(r: _Reader, key: str, info: GGUFInfo) -> None:
                 raw.decode("utf-8", errors="replace") for raw in r.strings(count, 1 << 16)
             ]
         else:
-            for _ in r.strings(count, r.size):
-                pass
+            for _ in range(count):
+                r.skip_string()  # seeks past a long one: never read into memory
         return
     fmt, n = _SCALARS[etype]
     if key in _KEEP_ARRAYS and count <= 4096:
