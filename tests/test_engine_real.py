@@ -11,7 +11,7 @@ import pytest
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GenerationRequest, SessionId
+from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
 
 pytestmark = pytest.mark.real_model
 
@@ -117,3 +117,59 @@ async def test_sliding_window_model_reuses_only_what_its_window_still_holds(
         e.stop()
         cold.stop()
         gemma.free()
+
+
+def ledger(k: int) -> str:
+    """A ~180-token ChatML prompt; on this box's CPU kernels the answers to k = 6, 7 and
+    15 changed when the prompt's last token was decoded again alone (bench.invariance)."""
+    notes = " ".join(f"Fact {k}.{i}: item {i} costs {i * 3 + k} coins." for i in range(10))
+    return (
+        f"<|im_start|>system\nYou keep a ledger. {notes}<|im_end|>\n"
+        "<|im_start|>user\nList items 5 to 9 with their costs.<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+async def test_a_repeated_prompt_starts_from_the_logits_its_prefill_left(
+    qwen: LlamaModel,
+) -> None:
+    """The same prompt asked again runs no prefill step: its first token is sampled from
+    the logits the first request's prefill left with the slot, so a greedy answer is the
+    one a cold run gives (decoding the last prompt token alone rounds differently, and
+    near ties flipped)."""
+    e = Engine(qwen, EngineOptions(n_ctx=4096, n_seq_max=4, speculation="off")).start()
+    try:
+        for k in (0, 6, 7, 15):
+            prompt = qwen.tokenize(ledger(k), add_special=False)
+            cold_steps = e.steps
+            _, cold = await e.submit(GenerationRequest(prompt, max_tokens=48)).collect()
+            again_steps = e.steps
+            _, again = await e.submit(GenerationRequest(prompt, max_tokens=48)).collect()
+            assert (again.usage.prompt_reused, again.usage.prompt_computed) == (len(prompt), 0)
+            assert again.tokens == cold.tokens, k
+            # one prefill step, then a step for each generated token but the last
+            assert again_steps - cold_steps == len(cold.tokens)
+            assert e.steps - again_steps == len(again.tokens) - 1
+        # A shorter prompt the slot also holds has no logits kept: its last token is decoded.
+        _, part = await e.submit(GenerationRequest(prompt[:-3], max_tokens=2)).collect()
+        assert (part.usage.prompt_reused, part.usage.prompt_computed) == (len(prompt) - 4, 1)
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+async def test_kept_logits_go_through_the_whole_sampler_chain(
+    engine: Engine, qwen: LlamaModel
+) -> None:
+    """Sampling from kept logits applies the request's own chain (a seeded temperature,
+    a grammar) and reports the logprobs the cold run's first token had."""
+    prompt = qwen.tokenize(chatml(("user", "Is the sky blue? Answer yes or no.")))
+    seeded = SamplingParams(temperature=0.9, seed=7, logprobs=3)
+    cold_deltas, cold = await engine.submit(GenerationRequest(prompt, seeded, 12)).collect()
+    deltas, again = await engine.submit(GenerationRequest(prompt, seeded, 12)).collect()
+    assert again.usage.prompt_computed == 0
+    assert again.tokens == cold.tokens
+    assert deltas[0].logprobs == cold_deltas[0].logprobs
+    assert len(deltas[0].logprobs[0].top) == 3
+    maybe = SamplingParams(temperature=0, grammar='root ::= "MAYBE" [.!]')
+    deltas, done = await engine.submit(GenerationRequest(prompt, maybe, 8)).collect()
+    assert done.usage.prompt_computed == 0
+    assert "".join(d.text for d in deltas) in ("MAYBE.", "MAYBE!")

@@ -78,8 +78,9 @@ async def test_kv_cells_are_not_shared_across_scales(model: LlamaModel, lora: Pa
 
         assert await reused((0.0,)) == 0
         assert await reused(None) == 0  # the base's cells are not the adapter's
-        assert await reused((0.0,)) == len(prompt) - 1
-        assert await reused((1.0,)) == len(prompt) - 1  # the load-time scales: the same
+        # whole, with the logits each scope's own prefill left
+        assert await reused((0.0,)) == len(prompt)
+        assert await reused((1.0,)) == len(prompt)  # the load-time scales: the same
     finally:
         await asyncio.to_thread(e.stop)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import llama_cpp as ll
+import numpy as np
 
 from barrel.engine import stream as streams
 from barrel.engine.context import (
@@ -554,6 +555,8 @@ class Engine:
                 break
             self._waiting.popleft()
             slot, lcp = choice
+            reuse = not run.req.prompt_logprobs
+            logits = self.kv.prompt_logits(slot, run.req.prompt, lcp) if reuse else None
             run.admitted = time.monotonic()
             # Parked sequences leave before this one's cells are placed: a state restored
             # from the cache then lands in the cells they held, low in the KV, not above
@@ -566,13 +569,26 @@ class Engine:
                 run.req.prompt,
                 lcp,
                 run.req.session,
-                reuse=not run.req.prompt_logprobs,
+                reuse=reuse,
                 scope=run.req.scope,
+                whole=logits is not None,
             )
             self._image_start(run, slot)
             run.reused = run.n_past
             run.slot = slot
             self._active.append(run)
+            if logits is not None and not run.prefilling:
+                self._first_from_kept(run, logits)
+        self._flush()
+
+    def _first_from_kept(self, run: Run, logits: np.ndarray) -> None:
+        """The prompt is whole in the slot with the logits that followed it: the first
+        token comes from them, without a decode, and is the token a cold run samples."""
+        run.prefill_done = time.monotonic()
+        if run.req.max_tokens == 0:
+            self._finish(run, FinishReason.LENGTH)
+        else:
+            self._sample(run, -1, logits)
 
     def _image_start(self, run: Run, slot: Slot) -> None:
         """KV reuse that ends inside an image goes back to the image's start: an image
@@ -632,10 +648,13 @@ class Engine:
             for run, index, n_tokens in entries:
                 if run.logit_rows:
                     self._prompt_logprobs(run)
+                prefilled = run.prefilling
                 self._advance(run, n_tokens)
                 if index >= 0 and run.req.max_tokens == 0:
                     self._finish(run, FinishReason.LENGTH)  # the prompt only (its logprobs)
                 elif index >= 0:
+                    if prefilled:
+                        self._keep_logits(run, index)
                     seq = run.slot.seq if run.slot is not None else -1
                     self._sample(run, index)
                     if run.draft:
@@ -881,9 +900,20 @@ class Engine:
             run.prompt_logprobs.append(run.sampler.logprobs(self.ctx, i, prompt[pos + 1]))
         run.logit_rows.clear()
 
-    def _sample(self, run: Run, index: int) -> None:
+    def _keep_logits(self, run: Run, index: int) -> None:
+        """Keep the logits of the prompt's last token with the slot (a copy: the
+        context's buffer is reused by the next decode)."""
+        if run.slot is not None and not run.req.prompt_logprobs:
+            row = Sampler.logits_of(self.ctx, index, self.model.n_vocab)
+            run.slot.prompt_logits = (tuple(run.req.prompt), row.copy())
+
+    def _sample(self, run: Run, index: int, logits: np.ndarray | None = None) -> None:
+        """Sample `run`'s next token from batch row `index`, or from kept `logits`."""
         started = time.monotonic()
-        token = run.sampler.sample(self.ctx, index)
+        if logits is None:
+            token = run.sampler.sample(self.ctx, index)
+        else:
+            token = run.sampler.sample_from(logits)
         now = time.monotonic()
         budget = self.options.grammar_sample_s
         if run.req.sampling.grammar and budget and now - started > budget:
@@ -903,7 +933,9 @@ class Engine:
             self.observer.first_token(now - run.submitted)
         run.last_token_at = now
         logprob = None
-        if run.req.sampling.logprobs is not None:
+        if run.req.sampling.logprobs is not None and logits is not None:
+            logprob = run.sampler.logprobs_from(logits, token)
+        elif run.req.sampling.logprobs is not None:
             logprob = run.sampler.logprobs(self.ctx, index, token)
         end, stop = run.add_token(self.model, token, logprob)
         self._dirty[run.id] = run

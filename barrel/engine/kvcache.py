@@ -11,6 +11,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 
@@ -38,6 +40,10 @@ class Slot:
     last_used: float = 0.0
     busy: bool = False  # a request runs on it
     pinned: bool = False  # holds a pinned prefix: copied from, never run on
+    # The logits that followed the last prompt prefilled here, with that prompt: the
+    # same prompt asked again samples its first token from them instead of decoding its
+    # last token alone (which rounds differently from the batch it was first part of).
+    prompt_logits: tuple[tuple[int, ...], np.ndarray] | None = None
 
     def touch(self) -> None:
         self.last_used = time.monotonic()

@@ -18,6 +18,9 @@ from barrel.engine.errors import InvalidGrammar
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import SamplingParams, TokenLogprob, TopLogprob
 
+# llama.cpp's llama_token_data, for sampling from logits kept outside the context
+TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+
 
 class Sampler:
     def __init__(self, model: LlamaModel, params: SamplingParams, n_ctx: int) -> None:
@@ -130,11 +133,35 @@ class Sampler:
         """Sample from the logits of batch position `index` and accept the token."""
         return int(ll.llama_sampler_sample(self._chain, ctx, index))
 
+    def sample_from(self, logits: np.ndarray) -> int:
+        """Sample from a row of logits kept from an earlier step and accept the token,
+        as `llama_sampler_sample` does with the context's own row."""
+        cur = np.empty(len(logits), dtype=TOKEN_DATA)
+        cur["id"] = np.arange(len(logits), dtype=np.int32)
+        cur["logit"] = logits
+        cur["p"] = 0.0
+        arr = ll.llama_token_data_array(
+            cur.ctypes.data_as(ll.llama_token_data_p), len(cur), -1, False
+        )
+        ll.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size:
+            raise RuntimeError("the sampler chain selected no token")
+        token = int(arr.data[arr.selected].id)
+        ll.llama_sampler_accept(self._chain, token)
+        return token
+
+    @staticmethod
+    def logits_of(ctx: ll.llama_context_p, index: int, n_vocab: int) -> np.ndarray:
+        """The logits of batch position `index` (a view into the context's buffer, valid
+        until the next decode)."""
+        return np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, index), shape=(n_vocab,))
+
     def logprobs(self, ctx: ll.llama_context_p, index: int, token: int) -> TokenLogprob:
         """Log-probabilities from the raw logits (before sampling transforms), as the
         OpenAI API reports them."""
-        ptr = ll.llama_get_logits_ith(ctx, index)
-        logits = np.ctypeslib.as_array(ptr, shape=(self._model.n_vocab,))
+        return self.logprobs_from(self.logits_of(ctx, index, self._model.n_vocab), token)
+
+    def logprobs_from(self, logits: np.ndarray, token: int) -> TokenLogprob:
         shifted = logits - logits.max()
         logsum = float(np.log(np.exp(shifted).sum()))
         n = self.params.logprobs or 0

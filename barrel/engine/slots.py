@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 import llama_cpp as ll
+import numpy as np
 
 from barrel.engine.kvcache import Slot, StateCache, common_prefix
 from barrel.engine.model import LlamaModel
@@ -138,11 +139,13 @@ class SlotManager:
         *,
         reuse: bool = True,
         scope: str = "",
+        whole: bool = False,
     ) -> tuple[int, str]:
         """Prepare `slot` for `prompt`: returns (tokens reused, a note if reuse fell short).
-        Without `reuse` every prompt token is computed again (for its logits)."""
-        # At least one prompt token is decoded to get logits for the first sample.
-        keep = min(lcp, len(prompt) - 1) if reuse else 0
+        Without `reuse` every prompt token is computed again (for its logits). At least
+        one prompt token is decoded, for the first sample's logits, unless `whole`: the
+        slot kept them (`prompt_logits`)."""
+        keep = min(lcp, len(prompt) - (0 if whole else 1)) if reuse else 0
         if len(slot.tokens) - keep >= SAVE_MIN_TOKENS or (
             keep < len(slot.tokens) and slot.session is not None
         ):
@@ -161,6 +164,15 @@ class SlotManager:
         slot.scope = scope
         slot.touch()
         return keep, note
+
+    @staticmethod
+    def prompt_logits(slot: Slot, prompt: list[int], lcp: int) -> np.ndarray | None:
+        """The logits `slot` kept after prefilling exactly `prompt`, if it still holds
+        all of it (`lcp`: what of `prompt` it holds)."""
+        kept = slot.prompt_logits
+        if kept is None or lcp < len(prompt) or len(kept[0]) != len(prompt):
+            return None
+        return kept[1] if kept[0] == tuple(prompt) else None
 
     def release(self, slot: Slot) -> None:
         slot.busy = False
@@ -199,6 +211,7 @@ class SlotManager:
         ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
         slot.tokens = []
         slot.session = None
+        slot.prompt_logits = None
 
     def evict_pin(self) -> bool:
         """Free the least recently used idle pinned prefix: a pin is only a cache, and a
@@ -216,6 +229,7 @@ class SlotManager:
         for s in self.slots:
             s.tokens = []
             s.session = None
+            s.prompt_logits = None
 
     def _trim(self, slot: Slot, keep: int) -> tuple[int, str]:
         """Drop the slot's KV past `keep`; fall back to a full recompute if the model's
