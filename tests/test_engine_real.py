@@ -43,9 +43,22 @@ async def engine(qwen: LlamaModel) -> AsyncIterator[Engine]:
 MARKERS = ["PELICAN-4417", "TANGERINE-9021", "OBSIDIAN-3360", "MARIGOLD-7784"]
 
 
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["shared", "per-sequence"])
 async def test_concurrent_sessions_never_see_each_others_markers(
-    engine: Engine, qwen: LlamaModel
+    qwen: LlamaModel, per_sequence: bool
 ) -> None:
+    """With a KV stream per sequence the second round once restored one session's state
+    from the state cache while another's prefill was pending, and that one answered
+    "\n": the state cache is off in that layout."""
+    opts = EngineOptions(n_ctx=4096, n_seq_max=4, kv_per_sequence=per_sequence)
+    engine = Engine(qwen, opts, name="qwen").start()
+    try:
+        await _markers(engine, qwen)
+    finally:
+        await asyncio.to_thread(engine.stop)
+
+
+async def _markers(engine: Engine, qwen: LlamaModel) -> None:
     async def ask(session: str, marker: str) -> str:
         prompt = chatml(("user", f"My secret code word is {marker}. Repeat my secret code word."))
         req = GenerationRequest(qwen.tokenize(prompt), max_tokens=24, session=SessionId(session))

@@ -115,13 +115,16 @@ class SlotManager:
             best = max(free, key=score)
             return best, lcp(best)
         # A sequence this prompt continues: it keeps at least half of what the sequence
-        # holds, or the whole prompt is there (the same question asked again).
+        # holds, or the whole prompt is there (the same question asked again). With a
+        # stream per sequence (and so no state cache) never another session's: its
+        # conversation would be lost, and the prefix is copied to another stream instead.
         goes_on = [
             s
             for s in free
             if s.tokens
             and lcp(s) > 0
             and (2 * lcp(s) >= len(s.tokens) or lcp(s) >= len(prompt) - 1)
+            and not (self.per_sequence and s.session not in (None, session))
         ]
         if goes_on:
             best = max(goes_on, key=score)
