@@ -107,8 +107,8 @@ class ModelDefaults(_Section, frozen=True):
     flash_attn: str = "auto"  # auto | on | off
     # A KV cache of num_ctx cells for each of num_seq_max sequences and the pinned
     # prefix (as llama-server's -np, Ollama's num_ctx x OLLAMA_NUM_PARALLEL), instead of
-    # one num_ctx cache they share: that much more memory, faster prefills on a CPU, no
-    # state cache, and greedy answers depend on how tokens were batched more often
+    # one num_ctx cache they share: that much more memory, faster prefills on a CPU,
+    # and greedy answers depend on how tokens were batched more often
     # (guides/performance.md, "Batch invariance").
     kv_per_sequence: bool = False
     speculation: str = "ngram"  # ngram (prompt-lookup drafts) | off

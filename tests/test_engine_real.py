@@ -47,9 +47,11 @@ MARKERS = ["PELICAN-4417", "TANGERINE-9021", "OBSIDIAN-3360", "MARIGOLD-7784"]
 async def test_concurrent_sessions_never_see_each_others_markers(
     qwen: LlamaModel, per_sequence: bool
 ) -> None:
-    """With a KV stream per sequence the second round once restored one session's state
-    from the state cache while another's prefill was pending, and that one answered
-    "\n": the state cache is off in that layout."""
+    """With a KV stream per sequence the second round once gave a session "\n": its
+    prefix was copied from another stream (llama.cpp queues a cross-stream copy for the
+    next decode) and, in the same admission pass, that stream took a state restored from
+    the state cache, which the queued copy then carried over. Such copies are made at
+    once now (`SlotManager._copy_now`)."""
     opts = EngineOptions(n_ctx=4096, n_seq_max=4, kv_per_sequence=per_sequence)
     engine = Engine(qwen, opts, name="qwen").start()
     try:

@@ -1,9 +1,8 @@
 """A KV stream per sequence (`EngineOptions.kv_per_sequence`), on the tiny model: each
 sequence gets n_ctx cells of its own, flash attention `auto` is off on a CPU, and what
 the engine does with one shared stream still holds: concurrent answers, a conversation's
-next turn, a prefix another sequence or a pin holds (a whole-stream copy cut to the
-prefix), and a conversation pushed out of its stream (no state cache in this layout)
-computed again. Answers are compared with a cold
+next turn, a prefix another sequence or a pin holds (its state copied, cut to the
+prefix), and a state restored from the state cache. Answers are compared with a cold
 engine of the same layout (flash attention on and off round differently)."""
 
 from __future__ import annotations
@@ -106,20 +105,17 @@ async def test_turns_prefixes_and_pins_are_reused_from_other_streams(model: Llam
         await asyncio.to_thread(e.stop)
 
 
-async def test_a_conversation_pushed_out_is_computed_again(model: LlamaModel) -> None:
-    """No state cache in this layout (see Engine.__init__): a conversation whose stream
-    another took is prefilled again, and answers as a cold run does."""
+async def test_a_conversation_comes_back_from_the_state_cache(model: LlamaModel) -> None:
     e = Engine(model, options(n_seq_max=1, max_pins=0)).start()
     try:
-        assert not e.cache.enabled
         a = model.tokenize("The quick brown fox")
         done_a = await answer(e, a, 30, session=SessionId("a"))
-        # b takes the only sequence: a's cells are gone, and nothing keeps its state
+        # b takes the only sequence: a's state goes to the RAM cache
         await answer(e, model.tokenize("Lorem ipsum"), 30, session=SessionId("b"))
-        assert len(e.cache) == 0
+        assert len(e.cache) == 1
         turn2 = [*a, *done_a.tokens, *model.tokenize(" jumps", add_special=False)]
         done2 = await answer(e, turn2, 10, session=SessionId("a"))
-        assert done2.usage.prompt_reused < len(a)
+        assert done2.usage.prompt_reused == len(a) + len(done_a.tokens) - 1
         assert list(done2.tokens) == await cold(model, turn2, 10)
     finally:
         await asyncio.to_thread(e.stop)

@@ -207,16 +207,9 @@ class Engine:
         self._lora_default = tuple(lo.scale for lo in opts.loras)
         self._lora_now = self._lora_default
         self._lora_served: dict[tuple[float, ...], int] = {}
-        # No state cache with a KV stream per sequence: a state restored into one stream
-        # while another sequence admitted in the same pass had yet to prefill gave that
-        # sequence a wrong answer (Qwen, four sessions; tests/test_engine_real.py). The
-        # cause in llama.cpp's per-stream restore is not found; its own stream keeps a
-        # parked conversation anyway, and one pushed out is computed again.
         per_sequence = opts.kv_per_sequence and not opts.embedding
         cache = StateCache(
-            0 if per_sequence else opts.state_cache_bytes,
-            opts.state_cache_dir,
-            opts.state_cache_disk_bytes,
+            opts.state_cache_bytes, opts.state_cache_dir, opts.state_cache_disk_bytes
         )
         self.kv = SlotManager(
             self.ctx,

@@ -10,9 +10,9 @@ llama_memory_seq_cp tags the same cells, so a regenerated answer, a second user 
 same system prompt or a code edit asked again costs nothing, and no parked conversation
 is cut for a few common tokens. Parked sequences pushed out of the context go to the
 state cache and come back on a prefix match. With a KV stream per sequence
-(`EngineOptions.kv_per_sequence`) a shared prefix is a copy of the source's whole
-stream cut to the prefix, and parked sequences stay: they hold their own stream and
-cost no other sequence anything. Engine thread only.
+(`EngineOptions.kv_per_sequence`) a shared prefix is a copy of the source sequence's
+state, made at once and cut to the prefix, and parked sequences stay: they hold their
+own stream and cost no other sequence anything. Engine thread only.
 """
 
 from __future__ import annotations
@@ -115,16 +115,13 @@ class SlotManager:
             best = max(free, key=score)
             return best, lcp(best)
         # A sequence this prompt continues: it keeps at least half of what the sequence
-        # holds, or the whole prompt is there (the same question asked again). With a
-        # stream per sequence (and so no state cache) never another session's: its
-        # conversation would be lost, and the prefix is copied to another stream instead.
+        # holds, or the whole prompt is there (the same question asked again).
         goes_on = [
             s
             for s in free
             if s.tokens
             and lcp(s) > 0
             and (2 * lcp(s) >= len(s.tokens) or lcp(s) >= len(prompt) - 1)
-            and not (self.per_sequence and s.session not in (None, session))
         ]
         if goes_on:
             best = max(goes_on, key=score)
@@ -264,15 +261,21 @@ class SlotManager:
         """Put the slot's state in the state cache; False if it did not take it."""
         if not self.cache.enabled or not slot.tokens:
             return False
-        size = ll.llama_state_seq_get_size(self.ctx, slot.seq)
-        if size <= 0 or size > self.cache.ram_bytes:
+        data = self._state_of(slot, self.cache.ram_bytes)
+        if data is None:
             return False
+        self.cache.put(list(slot.tokens), slot.session, data, slot.scope)
+        return True
+
+    def _state_of(self, slot: Slot, limit: int | None = None) -> bytes | None:
+        """The slot's sequence state (llama_state_seq_get_data), None if empty, failed or
+        larger than `limit`."""
+        size = ll.llama_state_seq_get_size(self.ctx, slot.seq)
+        if size <= 0 or (limit is not None and size > limit):
+            return None
         buf = (ctypes.c_uint8 * size)()
         n = ll.llama_state_seq_get_data(self.ctx, buf, size, slot.seq)
-        if n <= 0:
-            return False
-        self.cache.put(list(slot.tokens), slot.session, ctypes.string_at(buf, n), slot.scope)
-        return True
+        return ctypes.string_at(buf, n) if n > 0 else None
 
     def _source(
         self, slot: Slot, prompt: list[int], keep: int, scope: str
@@ -295,17 +298,34 @@ class SlotManager:
     def _share(self, slot: Slot, n: int, src: Slot) -> int:
         """Give `slot` the first `n` cells of `src`. With a unified KV cache,
         llama_memory_seq_cp tags the same cells with the slot's sequence: nothing is
-        recomputed or copied. Between streams llama.cpp copies whole streams only (at the
-        next decode; a partial range is an assert), so the copy is cut to `n` after."""
+        recomputed or copied. Between streams the sequence's state is copied at once and
+        cut to `n` (see `_copy_now`)."""
         ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
         if self.per_sequence:
-            ll.llama_memory_seq_cp(self.mem, src.seq, slot.seq, -1, -1)
+            if not self._copy_now(src, slot):
+                slot.tokens = []
+                return 0
             ll.llama_memory_seq_rm(self.mem, slot.seq, n, -1)
         else:
             ll.llama_memory_seq_cp(self.mem, src.seq, slot.seq, 0, n)
         slot.tokens = list(src.tokens[:n])
         src.touch()
         return n
+
+    def _copy_now(self, src: Slot, slot: Slot) -> bool:
+        """Copy `src`'s sequence into `slot`'s stream now, through its saved state.
+        llama_memory_seq_cp between streams only queues a copy of the whole stream buffer
+        for the next decode: a state restored into the source stream, or saved from the
+        destination, before then would be copied or saved wrong (a restore in the same
+        admission pass gave another session the restored conversation's cells)."""
+        data = self._state_of(src)
+        if data is None:
+            return False
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if ll.llama_state_seq_set_data(self.ctx, buf, len(data), slot.seq) == 0:
+            ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
+            return False
+        return True
 
     def _restore(self, slot: Slot, prompt: list[int], keep: int, scope: str) -> int:
         if not self.cache.enabled:
