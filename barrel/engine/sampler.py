@@ -9,6 +9,7 @@ sees tokens the grammar allows. Runs in the engine thread only.
 from __future__ import annotations
 
 import ctypes
+import functools
 import random
 
 import llama_cpp as ll
@@ -20,6 +21,14 @@ from barrel.engine.types import SamplingParams, TokenLogprob, TopLogprob
 
 # llama.cpp's llama_token_data, for sampling from logits kept outside the context
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+
+
+@functools.lru_cache(maxsize=4)
+def _token_ids(n_vocab: int) -> np.ndarray:
+    """0..n_vocab-1 (read-only): the ids of a vocabulary's token data array."""
+    ids = np.arange(n_vocab, dtype=np.int32)
+    ids.flags.writeable = False
+    return ids
 
 
 class Sampler:
@@ -137,7 +146,7 @@ class Sampler:
         """Sample from a row of logits kept from an earlier step and accept the token,
         as `llama_sampler_sample` does with the context's own row."""
         cur = np.empty(len(logits), dtype=TOKEN_DATA)
-        cur["id"] = np.arange(len(logits), dtype=np.int32)
+        cur["id"] = _token_ids(len(logits))
         cur["logit"] = logits
         cur["p"] = 0.0
         arr = ll.llama_token_data_array(
