@@ -246,10 +246,7 @@ class ModelStore:
             return digest
         with path.open("rb") as f:
             digest = self.blobs.put_stream(iter(lambda: f.read(1 << 20), b""))
-        with self._memo_lock:
-            self._imported[key] = digest
-            while len(self._imported) > HEADERS_KEPT:
-                self._imported.popitem(last=False)
+        self._remember(self._imported, key, digest)
         return digest
 
     def header(self, digest: str) -> GGUFInfo:
@@ -261,11 +258,16 @@ class ModelStore:
                 self._headers.move_to_end(digest)
                 return info
         info = read_gguf(self.blobs.path(digest))
-        with self._memo_lock:
-            self._headers[digest] = info
-            while len(self._headers) > HEADERS_KEPT:
-                self._headers.popitem(last=False)
+        self._remember(self._headers, digest, info)
         return info
+
+    def _remember(self, memo: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+        """Keep `value` in a memo of at most HEADERS_KEPT entries, dropping the oldest."""
+        with self._memo_lock:
+            memo[key] = value
+            memo.move_to_end(key)
+            while len(memo) > HEADERS_KEPT:
+                memo.popitem(last=False)
 
     def model_layer(self, digest: str) -> tuple[Layer, Layer]:
         """(model layer, config layer) for a GGUF blob already in the store. A malformed
