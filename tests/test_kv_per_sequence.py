@@ -119,3 +119,37 @@ async def test_a_conversation_comes_back_from_the_state_cache(model: LlamaModel)
         assert list(done2.tokens) == await cold(model, turn2, 10)
     finally:
         await asyncio.to_thread(e.stop)
+
+
+async def test_a_conversation_moves_beside_the_running_sequences(model: LlamaModel) -> None:
+    """llama.cpp decodes each run of consecutive sequence ids as a micro-batch of its
+    own, reading all the weights again: a conversation parked two sequences away from a
+    running one moves next to it, its cells copied along, and answers as a cold run does;
+    the parked conversation it displaced comes back from the state cache."""
+    e = Engine(model, options(n_seq_max=4, max_pins=0)).start()
+    try:
+        texts = {"a": "Once upon a time", "b": "def main():", "c": "The capital of France"}
+        prompts = {name: model.tokenize(text) for name, text in texts.items()}
+        first = {
+            name: await answer(e, p, 8, session=SessionId(name)) for name, p in prompts.items()
+        }
+        assert [s.session for s in e.kv.slots] == ["a", "b", "c", None]
+        history = {name: [*prompts[name], *first[name].tokens] for name in texts}
+        # a's next turn runs on sequence 0 while c's comes, parked on sequence 2
+        running = e.submit(
+            GenerationRequest(history["a"], max_tokens=400, ignore_eos=True, session=SessionId("a"))
+        )
+        await running.__anext__()
+        turn_c = [*history["c"], *model.tokenize(" is", add_special=False)]
+        done_c = await answer(e, turn_c, 10, session=SessionId("c"))
+        assert [s.session for s in e.kv.slots[:3]] == ["a", "c", None]
+        assert done_c.usage.prompt_reused == len(history["c"]) - 1
+        assert list(done_c.tokens) == await cold(model, turn_c, 10)
+        await running.collect()
+        # b, moved out of sequence 1, comes back from the state cache
+        turn_b = [*history["b"], *model.tokenize(" pass", add_special=False)]
+        done_b = await answer(e, turn_b, 6, session=SessionId("b"))
+        assert done_b.usage.prompt_reused == len(history["b"]) - 1
+        assert list(done_b.tokens) == await cold(model, turn_b, 6)
+    finally:
+        await asyncio.to_thread(e.stop)

@@ -95,6 +95,47 @@ class SlotManager:
     ) -> tuple[Slot, int] | None:
         """The free slot to run `prompt` on and its common prefix, or None if all are busy.
         Another scope's tokens count as no prefix at all."""
+        found = self._choose(prompt, session, scope)
+        if found is None or not self.per_sequence:
+            return found
+        return self._beside_running(*found)
+
+    def _beside_running(self, slot: Slot, lcp: int) -> tuple[Slot, int]:
+        """With a stream per sequence llama.cpp decodes a step in one micro-batch for each
+        run of consecutive sequence ids, and each reads all the weights again (sequences
+        0 and 2 running cost two one-token steps, not one two-token step). A request whose
+        slot would start a run of its own moves to a free slot that joins one: that
+        slot's parked sequence goes to the state cache (an empty slot first; none that
+        holds one without a cache), and what the chosen slot holds is copied along
+        (`_copy_now`) and leaves it."""
+        running = {s.seq for s in self.slots if s.busy}
+
+        def runs(seq: int) -> int:
+            ids = running | {seq}
+            return sum(1 for i in ids if i - 1 not in ids)
+
+        others = [
+            s for s in self.free_slots() if s is not slot and (not s.tokens or self.cache.enabled)
+        ]
+        if not running or not others:
+            return slot, lcp
+        to = min(others, key=lambda s: (runs(s.seq), bool(s.tokens), s.last_used))
+        if runs(to.seq) >= runs(slot.seq):
+            return slot, lcp
+        if to.tokens:
+            self.save(to)
+            self._drop(to)
+        if lcp > 0:
+            if not self._copy_now(slot, to):
+                return slot, lcp
+            to.tokens, to.session, to.scope = list(slot.tokens), slot.session, slot.scope
+            to.prompt_logits = slot.prompt_logits
+            self._drop(slot)
+        return to, lcp
+
+    def _choose(
+        self, prompt: list[int], session: str | None, scope: str
+    ) -> tuple[Slot, int] | None:
         free = self.free_slots()
         if not free:
             return None
