@@ -130,12 +130,16 @@ async def http_round(
     return sum(t for _, t, _ in results) / elapsed, [f for f, _, _ in results]
 
 
-def start_daemon(tmp: Path, path: Path, clients: int) -> tuple[subprocess.Popen[bytes], str]:
-    port = 18000 + os.getpid() % 1000
-    config = tmp / "bench.toml"
+def start_daemon(
+    tmp: Path, path: Path, clients: int, defaults: str = "", n: int = 0
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The `n`th Barrel daemon of a bench (its own port and config), with `defaults`
+    added to its `[models.defaults]` (TOML lines)."""
+    port = 18000 + (os.getpid() + 7 * n) % 1000
+    config = tmp / f"bench{n}.toml"
     config.write_text(
-        f'[server]\naccess_log = false\n[models]\ncache_root = "{tmp}"\n'
-        f"max_context_size = {CTX}\n[models.defaults]\nnum_seq_max = {clients}\n"
+        f'[server]\naccess_log = false\n[models]\ncache_root = "{tmp / f"store{n}"}"\n'
+        f"max_context_size = {CTX}\n[models.defaults]\nnum_seq_max = {clients}\n{defaults}\n"
     )
     proc = subprocess.Popen(
         [

@@ -14,6 +14,9 @@ context and 8 parallel sequences; requests are greedy and streamed. Rounds alter
   once and asked 1 s after the answer (a person reading it);
 - a code edit (the answer repeats most of a given file), one stream, tokens/s; against
   llama-server without and with its n-gram speculation.
+
+`--barrel default,flash-off,per-sequence` runs several Barrel daemons side by side, each
+with its own settings (VARIANTS), every one compared with the same llama-server rounds.
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ from bench.http import CTX, start_daemon, wait_ready
 
 LLAMA_CPP_PYTHON = "0.3.36"
 PARALLEL = 8
+# Barrel daemons a run may put side by side: [models.defaults] lines of each
+VARIANTS = {
+    "default": "",
+    "flash-off": 'flash_attn = "off"',
+    "per-sequence": "kv_per_sequence = true",
+    "per-sequence-flash-on": 'kv_per_sequence = true\nflash_attn = "on"',
+}
 FILE = "\n\n".join(
     f'''def shape_{i}(width, height):
     """Area and perimeter of rectangle number {i}."""
@@ -170,8 +180,12 @@ async def measure(args: argparse.Namespace) -> None:
     timeout = aiohttp.ClientTimeout(total=900)
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        barrels = {
+            f"barrel {v}": start_daemon(Path(tmp), model, PARALLEL, VARIANTS[v], n)
+            for n, v in enumerate(args.barrel)
+        }
         servers = {
-            "barrel": start_daemon(Path(tmp), model, PARALLEL),
+            **barrels,
             "llama-server": start_llama_server(model),
             "llama-server+ngram": start_llama_server(model, "--spec-type", "ngram-simple"),
         }
@@ -180,7 +194,7 @@ async def measure(args: argparse.Namespace) -> None:
             connector = aiohttp.TCPConnector(force_close=True)
             async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
                 for name, (_, url) in servers.items():
-                    ready = "/health/ready" if name == "barrel" else "/health"
+                    ready = "/health/ready" if name in barrels else "/health"
                     await wait_ready(session, url, ready, timeout=120)
                     await throughput(session, url, 1, 8)  # warm-up (Barrel loads the model)
                 for r in range(args.rounds):
@@ -205,15 +219,18 @@ async def measure(args: argparse.Namespace) -> None:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(timeout=60)
-    base, ours = results["llama-server"], results["barrel"]
-    for key in ours:
-        b, o = statistics.median(base[key]), statistics.median(ours[key])
-        print(f"{key:>22}: barrel {o:8.1f}  llama-server {b:8.1f}  ratio {o / b:.2f}x")
-    if "code-edit" in args.workloads:
-        spec = statistics.median(results["llama-server+ngram"]["code edit tok/s"])
-        o = statistics.median(ours["code edit tok/s"])
-        label = "code edit vs +ngram"
-        print(f"{label:>22}: barrel {o:8.1f}  llama-server {spec:8.1f}  ratio {o / spec:.2f}x")
+    base = results["llama-server"]
+    for name in barrels:
+        ours = results[name]
+        print(f"{name}:")
+        for key in ours:
+            b, o = statistics.median(base[key]), statistics.median(ours[key])
+            print(f"{key:>22}: barrel {o:8.1f}  llama-server {b:8.1f}  ratio {o / b:.2f}x")
+        if "code-edit" in args.workloads:
+            spec = statistics.median(results["llama-server+ngram"]["code edit tok/s"])
+            o = statistics.median(ours["code edit tok/s"])
+            label = "code edit vs +ngram"
+            print(f"{label:>22}: barrel {o:8.1f}  llama-server {spec:8.1f}  ratio {o / spec:.2f}x")
 
 
 def main() -> None:
@@ -222,12 +239,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument(
+        "--barrel",
+        type=lambda text: text.split(","),
+        default=["default"],
+        help=f"comma-separated Barrel settings to run side by side: {', '.join(VARIANTS)}",
+    )
+    parser.add_argument(
         "--workloads",
         type=lambda text: set(text.split(",")),
         default={"streams", "follow-up", "code-edit"},
         help="comma-separated: streams, follow-up, code-edit (default: all)",
     )
     args = parser.parse_args()
+    if unknown := set(args.barrel) - set(VARIANTS):
+        parser.error(f"unknown --barrel settings: {', '.join(sorted(unknown))}")
     if args.build_only:
         print(llama_server())
         return
