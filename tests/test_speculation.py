@@ -140,10 +140,16 @@ def qwen(qwen_path: Path) -> Iterator[LlamaModel]:
 
 
 async def _outputs(
-    model: LlamaModel, speculation: str, prompts: list[list[int]], sampling: SamplingParams
+    model: LlamaModel,
+    speculation: str,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    per_sequence: bool = False,
 ) -> tuple[list[tuple[int, ...]], Metrics]:
     metrics = Metrics()
-    opts = EngineOptions(n_ctx=2048, n_seq_max=4, speculation=speculation)
+    opts = EngineOptions(
+        n_ctx=2048, n_seq_max=4, speculation=speculation, kv_per_sequence=per_sequence
+    )
     e = Engine(model, opts, observer=metrics.engine_observer("m")).start()
     try:
         runs = [
@@ -184,6 +190,27 @@ async def test_qwen_gives_the_same_tokens_with_drafts_and_keeps_most_of_them(
     kept = _counted(on, "barrel_engine_draft_accepted_tokens_total")
     assert tried > 0
     assert kept > 0  # some drafts were the right tokens (and the output is unchanged)
+
+
+async def test_with_a_stream_per_sequence_a_copy_drafts_beside_a_sequence_that_does_not(
+    qwen: LlamaModel,
+) -> None:
+    """A step over several KV streams is one micro-batch only if every sequence brings as
+    many tokens: a draft beside a sequence without one costs a second micro-batch, which
+    a copy pays for. Here the other sequence (numbers in words, nothing to draft from)
+    runs longer than the copy: the copy drafts beside it, and answers as it does alone."""
+    copy = _prompts(qwen, chat=True)[0]
+    words = qwen.tokenize(
+        "<|im_start|>user\nWrite the numbers 1 to 200 in words.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    (alone,), _ = await _outputs(qwen, "ngram", [copy], GREEDY, per_sequence=True)
+    (together, other), on = await _outputs(qwen, "ngram", [copy, words], GREEDY, per_sequence=True)
+    assert together == alone
+    assert len(other) > len(together)  # the copy never ran alone
+    tried = _counted(on, "barrel_engine_draft_tokens_total")
+    kept = _counted(on, "barrel_engine_draft_accepted_tokens_total")
+    assert tried > 0
+    assert kept > 0
 
 
 async def test_tiny_gives_the_same_tokens_with_drafts(tiny: LlamaModel) -> None:

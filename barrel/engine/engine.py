@@ -756,14 +756,17 @@ class Engine:
     def _one_ubatch(planned: list[Run], chunks: list[tuple[Run, int]]) -> None:
         """With a KV stream per sequence llama.cpp splits a step into micro-batches of
         consecutive sequence ids with as many tokens each, and every micro-batch reads
-        all the weights again: generating sequences go in sequence order with drafts of
-        one length (the shortest), so that their step stays one micro-batch."""
+        all the weights again: generating sequences go in sequence order, and when they
+        all draft, with drafts of one length (the shortest: one micro-batch); when some
+        do not, only the longest draft stays (one more micro-batch, for its tokens)."""
         planned.sort(key=lambda r: r.slot.seq if r.slot is not None else -1)
         chunks.sort(key=lambda c: c[0].slot.seq if c[0].slot is not None else -1)
         if len(planned) > 1:
             shortest = min(len(r.draft) for r in planned)
+            longest = max(planned, key=lambda r: len(r.draft))
             for run in planned:
-                del run.draft[shortest:]
+                if shortest or run is not longest:
+                    del run.draft[shortest:]
 
     @staticmethod
     def _chunk(run: Run, budget: int) -> int:
