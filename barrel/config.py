@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import platformdirs
@@ -105,12 +105,14 @@ class ModelDefaults(_Section, frozen=True):
     num_thread: int = 0  # 0: the machine's cores
     kv_cache_type: str = "f16"  # f16 | q8_0 | q4_0
     flash_attn: str = "auto"  # auto | on | off
-    # A KV cache of num_ctx cells for each of num_seq_max sequences and the pinned
+    # true: a KV cache of num_ctx cells for each of num_seq_max sequences and the pinned
     # prefix (as llama-server's -np, Ollama's num_ctx x OLLAMA_NUM_PARALLEL), instead of
-    # one num_ctx cache they share: that much more memory, faster prefills on a CPU,
-    # and greedy answers depend on how tokens were batched more often
-    # (guides/performance.md, "Batch invariance").
-    kv_per_sequence: bool = False
+    # one num_ctx cache they share (false): that much more memory, faster prefills and
+    # follow-up turns on a CPU, and greedy answers depend on how tokens were batched more
+    # often (guides/performance.md). "auto": true for a model that runs on the CPU with
+    # plain attention (no sliding window, no recurrent state), as long as the memory it
+    # adds neither refuses the load nor unloads another model.
+    kv_per_sequence: bool | Literal["auto"] = "auto"
     speculation: str = "ngram"  # ngram (prompt-lookup drafts) | off
     draft_max: int = 64  # draft tokens verified per step at most
     queue_depth: int = 16  # requests that may wait per model beyond num_seq_max running

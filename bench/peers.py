@@ -15,7 +15,7 @@ context and 8 parallel sequences; requests are greedy and streamed. Rounds alter
 - a code edit (the answer repeats most of a given file), one stream, tokens/s; against
   llama-server without and with its n-gram speculation.
 
-`--barrel default,flash-off,per-sequence` runs several Barrel daemons side by side, each
+`--barrel default,shared` runs several Barrel daemons side by side, each
 with its own settings (VARIANTS), every one compared with the same llama-server rounds.
 """
 
@@ -43,10 +43,10 @@ LLAMA_CPP_PYTHON = "0.3.36"
 PARALLEL = 8
 # Barrel daemons a run may put side by side: [models.defaults] lines of each
 VARIANTS = {
-    "default": "",
-    "flash-off": 'flash_attn = "off"',
-    "per-sequence": "kv_per_sequence = true",
-    "per-sequence-flash-on": 'kv_per_sequence = true\nflash_attn = "on"',
+    "default": "",  # on a CPU: a KV stream per sequence, flash attention off
+    "shared": "kv_per_sequence = false",  # one KV stream for all, flash attention on
+    "shared-flash-off": 'kv_per_sequence = false\nflash_attn = "off"',
+    "per-sequence-flash-on": 'kv_per_sequence = true\nflash_attn = "on"',  # llama-server's
 }
 FILE = "\n\n".join(
     f'''def shape_{i}(width, height):

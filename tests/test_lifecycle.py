@@ -18,12 +18,13 @@ from aiohttp.test_utils import TestClient
 
 from barrel.actors.admission import QueueFull
 from barrel.actors.lifecycle import Lease, Lifecycle
-from barrel.actors.memory import ModelWouldOOM
+from barrel.actors.memory import ModelWouldOOM, kv_cache_bytes
 from barrel.config import Config
 from barrel.engine.errors import EngineCrashed
 from barrel.engine.types import FinishReason, GenerationRequest
 from barrel.errors import BarrelError
 from barrel.http import errors
+from barrel.store.gguf_meta import read_gguf
 from tests.apps import app_for, services_of
 
 Client = TestClient[web.Request, web.Application]
@@ -253,10 +254,11 @@ async def test_a_kv_stream_per_sequence_is_counted_in_api_ps(
     aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
 ) -> None:
     """`models.defaults.kv_per_sequence`: the KV cache is allocated once for each
-    sequence and the pinned prefix, and /api/ps says so; the model still answers."""
+    sequence and the pinned prefix, and /api/ps says so; the model still answers. "auto"
+    (the default) is a stream per sequence for a model on the CPU."""
     file_size = await asyncio.to_thread(os.path.getsize, tiny_path)
-    kv: dict[bool, int] = {}
-    for per_sequence in (False, True):
+    kv: dict[bool | str, int] = {}
+    for per_sequence in (False, True, "auto"):
         client, lc = await start(
             aiohttp_client,
             tmp_path / str(per_sequence),
@@ -273,6 +275,46 @@ async def test_a_kv_stream_per_sequence_is_counted_in_api_ps(
         await lc.release(lease)
     assert kv[False] > 0
     assert kv[True] == 3 * kv[False]  # two sequences and a pinned prefix
+    assert kv["auto"] == kv[True]
+
+
+async def test_auto_shares_one_kv_stream_when_a_stream_each_would_not_fit(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
+) -> None:
+    """`kv_per_sequence = "auto"` under memory-aware loading: a stream per sequence only
+    where its memory neither refuses the load nor unloads another model; one shared
+    stream otherwise, and the model answers either way."""
+    other = tmp_path / "other.gguf"
+    shutil.copy(tiny_path, other)
+    size = await asyncio.to_thread(os.path.getsize, tiny_path)
+    margin = 1 << 20
+    info = await asyncio.to_thread(read_gguf, tiny_path)
+    meta = {"block_count": info.block_count, "head_count": info.head_count}
+    meta |= {"head_count_kv": info.head_count_kv, "embedding_length": info.embedding_length}
+    kv = kv_cache_bytes(meta, 1024)  # one stream of the context's 1,024 cells
+
+    async def kv_of(budget: int, *names: str) -> list[int]:
+        _, lc = await start(
+            aiohttp_client,
+            tmp_path / f"budget-{budget}",
+            {"a": tiny_path, "b": other},
+            memory_aware_loading=True,
+            memory_budget_bytes=budget,
+            model_load_memory_margin_b=margin,
+        )
+        for name in names:
+            lease = await lc.acquire(name)
+            request = GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=2)
+            _, done = await lease.engine.submit(request).collect()
+            assert done.usage.completion_tokens == 2
+            await lc.release(lease)
+        by_name = {m["name"]: m["size"] - size for m in await lc.ps()}
+        return [by_name[name] for name in names]
+
+    assert await kv_of(size + margin + 3 * kv, "a") == [3 * kv]  # two sequences and a pin
+    assert await kv_of(size + margin + 2 * kv, "a") == [kv]  # three streams do not fit
+    # b with a stream each would unload a; with one shared stream both stay
+    assert await kv_of(2 * (size + margin) + 5 * kv, "a", "b") == [3 * kv, kv]
 
 
 async def test_a_failed_load_gives_every_waiter_the_cause(

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from barrel.errors import InvalidRequest
-from barrel.store.gguf_meta import InvalidGGUF, read_gguf
+from barrel.store.gguf_meta import InvalidGGUF, plain_attention, read_gguf
 from barrel.store.manifests import ManifestStore
 from barrel.store.modelfile import ModelfileError, parse
 from barrel.store.names import InvalidName, ModelName, parse_digest
@@ -85,6 +85,12 @@ def test_gguf_reader_on_real_models(qwen_path: Path, gemma_path: Path) -> None:
     gemma = read_gguf(gemma_path)
     assert gemma.architecture == "gemma3"
     assert gemma.capabilities == ["completion"]
+    # what kv_per_sequence "auto" asks: Gemma 3's sliding-window layers rule it out
+    assert qwen.plain_attention
+    assert not gemma.plain_attention
+    assert plain_attention(qwen.model_info())
+    assert not plain_attention(gemma.model_info())
+    assert not plain_attention({"general.architecture": "mamba", "mamba.ssm.conv_kernel": 4})
 
 
 def _bad_files(tmp_path: Path) -> dict[str, bytes]:

@@ -28,11 +28,11 @@ from barrel.actors.memory import estimate, planner
 from barrel.actors.registry import Registry
 from barrel.actors.store_actor import StoreActor
 from barrel.config import Config
-from barrel.engine.context import EngineOptions, KVType, LoraAdapter
+from barrel.engine.context import EngineOptions, KVType, LoraAdapter, runs_on_cpu
 from barrel.engine.engine import Engine
 from barrel.errors import BarrelError, CallTimeout, InvalidRequest, NotFound, Unavailable
 from barrel.futures import Reply, ToLoop
-from barrel.store.gguf_meta import read_gguf
+from barrel.store.gguf_meta import plain_attention, read_gguf
 from barrel.store.manifests import ADAPTER, PROJECTOR
 from barrel.store.names import ModelName
 from barrel.store.store import ModelStore, config_for, details_of
@@ -181,6 +181,7 @@ class Lifecycle:
                 "head_count": info.head_count,
                 "head_count_kv": info.head_count_kv,
                 "embedding_length": info.embedding_length,
+                "plain_attention": info.plain_attention,
                 "details": details_of(config_for(info)),
             }
             self._local_meta[key] = meta
@@ -202,6 +203,11 @@ class Lifecycle:
         n_ctx = max(64, min(n_ctx, self.config.models.max_context_size))
         kv_type = str(params.get("kv_cache_type", d.kv_cache_type))
         flash = params.get("flash_attn")
+        model = model_options_for(params)
+        auto = d.kv_per_sequence == "auto"
+        per_sequence = (
+            runs_on_cpu(model) and _plain_attention(meta) if auto else bool(d.kv_per_sequence)
+        )
         options = EngineOptions(
             n_ctx=n_ctx,
             n_batch=int(params.get("num_batch", d.num_batch)),
@@ -213,18 +219,21 @@ class Lifecycle:
             grammar_sample_s=self.config.limits.grammar_sample_s,
             speculation=str(params.get("speculation", d.speculation)),
             draft_max=max(0, min(64, int(params.get("draft_max", d.draft_max)))),
-            kv_per_sequence=d.kv_per_sequence,
+            kv_per_sequence=per_sequence,
         )
         margin = self.config.models.model_load_memory_margin_b
         # the KV cache is allocated once a sequence (and pinned prefix) when each has its own
-        kv_cells = n_ctx * (options.n_seq_max + options.max_pins if d.kv_per_sequence else 1)
+        streams = options.n_seq_max + options.max_pins if per_sequence else 1
+        estimate_bytes = estimate(size, meta, n_ctx * streams, kv_type, margin)
+        shared_bytes = estimate(size, meta, n_ctx, kv_type, margin)
         return ModelSpec(
             name=name,
             path=path,
             engine=options,
-            model=model_options_for(params),
+            model=model,
             size_bytes=size,
-            estimate_bytes=estimate(size, meta, kv_cells, kv_type, margin),
+            estimate_bytes=estimate_bytes,
+            per_sequence_extra=estimate_bytes - shared_bytes if auto else 0,
             details=details,
             digest=digest,
             residency=str(
@@ -394,7 +403,7 @@ class Lifecycle:
         """A lease on the model opened for embeddings (a second context, `<name>#embed`)."""
         spec = await self.spec(model)
         embed_spec = dataclasses.replace(
-            spec,
+            spec.shared(),
             name=f"{spec.name}#embed",
             engine=dataclasses.replace(
                 spec.engine, embedding=True, max_pins=0, kv_per_sequence=False
@@ -467,3 +476,11 @@ class Lifecycle:
 
 def _iso(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _plain_attention(meta: dict[str, Any]) -> bool:
+    """Whether the model attends over every cell in every layer: from a local file's
+    header, else from a stored model's `model_info` (its GGUF metadata)."""
+    if "plain_attention" in meta:
+        return bool(meta["plain_attention"])
+    return plain_attention(meta.get("model_info") or {})

@@ -16,6 +16,7 @@ thread died is never handed out: requests wait for the restarted worker's report
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -31,6 +32,7 @@ from barrel.actors.bridge import Answer, Call, call_sync
 from barrel.actors.child import Child, Exit, Link
 from barrel.actors.engine_worker import EngineWorker
 from barrel.actors.keepalive import Forget, Keepalive, UnloadIdle
+from barrel.actors.memory import ModelWouldOOM
 from barrel.actors.registry import Registry
 from barrel.actors.supervisor import (
     ChildSpec,
@@ -77,6 +79,23 @@ class ModelSpec:
     system: str | None = None
     messages: tuple[dict[str, Any], ...] = ()
     parameters: dict[str, Any] = field(default_factory=dict)
+    # The memory a KV stream per sequence adds to `estimate_bytes` over one shared
+    # stream, when that layout was chosen for speed (`kv_per_sequence = "auto"`), not
+    # asked for: the load falls back to the shared stream rather than fail or unload
+    # another model for it (`shared`).
+    per_sequence_extra: int = 0
+
+    def shared(self) -> ModelSpec:
+        """This spec with one KV stream that every sequence shares, if the stream per
+        sequence was only chosen for speed; else itself."""
+        if not self.per_sequence_extra:
+            return self
+        return dataclasses.replace(
+            self,
+            engine=dataclasses.replace(self.engine, kv_per_sequence=False),
+            estimate_bytes=self.estimate_bytes - self.per_sequence_extra,
+            per_sequence_extra=0,
+        )
 
 
 @dataclass
@@ -168,7 +187,8 @@ class Loader(Child):
         victims: set[str] = set()
         if plan is not None:
             loaded = [(m, lo.spec.estimate_bytes) for m, lo in self._models.items()]
-            victims = {v for v in plan(spec, loaded) if self.unload(v)}
+            spec, names = fit(spec, plan, loaded)
+            victims = {v for v in names if self.unload(v)}
         blocked = victims | ({name} if name in self._unloading else set())
         if blocked:
             self._deferred.append(_Deferred(spec, answer, blocked))
@@ -361,6 +381,26 @@ class _Ready:
 @dataclass(frozen=True)
 class _Unloaded:
     model: str
+
+
+def fit(
+    spec: ModelSpec, plan: Planner, loaded: list[tuple[str, int]]
+) -> tuple[ModelSpec, list[str]]:
+    """The spec to load and the idle models to unload for it: a KV stream per sequence
+    chosen only for speed gives way to one shared stream when its memory would refuse
+    the load (ModelWouldOOM) or unload more models."""
+    shared = spec.shared()
+    try:
+        victims = plan(spec, loaded)
+    except ModelWouldOOM:
+        if shared is spec:
+            raise
+        return shared, plan(shared, loaded)
+    if victims and shared is not spec:
+        fewer = plan(shared, loaded)
+        if len(fewer) < len(victims):
+            return shared, fewer
+    return spec, victims
 
 
 def model_options_for(params: dict[str, Any]) -> ModelOptions:

@@ -14,7 +14,7 @@ from typing import Any
 import llama_cpp as ll
 
 from barrel.engine.errors import ModelLoadError
-from barrel.engine.model import LlamaModel
+from barrel.engine.model import LlamaModel, ModelOptions
 
 logger = logging.getLogger(__name__)
 
@@ -161,11 +161,15 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
 def flash_attention(model: LlamaModel, opts: EngineOptions) -> str:
     """The flash-attention setting a context gets: "auto" with a KV stream per sequence
     and no GPU is "off" (see EngineOptions.kv_per_sequence)."""
-    on_cpu = model.options.n_gpu_layers == 0 or not ll.llama_supports_gpu_offload()
     plain = opts.kv_type is KVType.F16 and not opts.embedding  # a quantized V needs flash
-    if opts.flash_attn == "auto" and opts.kv_per_sequence and on_cpu and plain:
+    if opts.flash_attn == "auto" and opts.kv_per_sequence and runs_on_cpu(model.options) and plain:
         return "off"
     return opts.flash_attn
+
+
+def runs_on_cpu(options: ModelOptions) -> bool:
+    """No layer of the model is offloaded to a GPU."""
+    return options.n_gpu_layers == 0 or not ll.llama_supports_gpu_offload()
 
 
 def apply_loras(model: LlamaModel, ctx: Any, loras: tuple[LoraAdapter, ...]) -> list[Any]:

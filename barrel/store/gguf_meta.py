@@ -170,6 +170,11 @@ class GGUFInfo:
         return f"{n / 1e3:.2f}K" if n else ""
 
     @property
+    def plain_attention(self) -> bool:
+        """Every layer attends over every cell (no sliding window, no recurrent state)."""
+        return plain_attention(self.metadata)
+
+    @property
     def is_embedding_model(self) -> bool:
         return self.architecture in ENCODER_ARCHS or (self.pooling_type or 0) > 0
 
@@ -202,6 +207,16 @@ class GGUFInfo:
         }
         info["general.parameter_count"] = self.parameter_count
         return dict(sorted(info.items()))
+
+
+def plain_attention(metadata: dict[str, Any]) -> bool:
+    """From GGUF metadata (or Ollama's `model_info`, the same keys): False for a model
+    with sliding-window layers or a recurrent state, whose memory refuses partial
+    removals and copies."""
+    arch = str(metadata.get("general.architecture", ""))
+    if metadata.get(f"{arch}.attention.sliding_window"):
+        return False
+    return not any(k.startswith((f"{arch}.ssm.", f"{arch}.wkv.")) for k in metadata)
 
 
 class _Reader:
