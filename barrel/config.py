@@ -111,7 +111,8 @@ class ModelDefaults(_Section, frozen=True):
     # follow-up turns on a CPU, and greedy answers depend on how tokens were batched more
     # often (guides/performance.md). "auto": true for a model that runs on the CPU with
     # plain attention (no sliding window, no recurrent state), as long as the memory it
-    # adds neither refuses the load nor unloads another model.
+    # adds neither refuses the load nor unloads another model (memory-aware loading) nor
+    # exceeds the memory free at load.
     kv_per_sequence: bool | Literal["auto"] = "auto"
     speculation: str = "ngram"  # ngram (prompt-lookup drafts) | off
     draft_max: int = 64  # draft tokens verified per step at most

@@ -4,6 +4,7 @@ crash recovery, /api/ps. The daemon's own actor tree, in process."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import time
@@ -18,8 +19,10 @@ from aiohttp.test_utils import TestClient
 
 from barrel.actors.admission import QueueFull
 from barrel.actors.lifecycle import Lease, Lifecycle
-from barrel.actors.memory import ModelWouldOOM, kv_cache_bytes
+from barrel.actors.loader import ModelSpec, fit
+from barrel.actors.memory import ModelWouldOOM, available_bytes, kv_cache_bytes
 from barrel.config import Config
+from barrel.engine.context import EngineOptions
 from barrel.engine.errors import EngineCrashed
 from barrel.engine.types import FinishReason, GenerationRequest
 from barrel.errors import BarrelError
@@ -315,6 +318,26 @@ async def test_auto_shares_one_kv_stream_when_a_stream_each_would_not_fit(
     assert await kv_of(size + margin + 2 * kv, "a") == [kv]  # three streams do not fit
     # b with a stream each would unload a; with one shared stream both stay
     assert await kv_of(2 * (size + margin) + 5 * kv, "a", "b") == [3 * kv, kv]
+
+
+def test_without_memory_aware_loading_auto_still_shares_what_free_memory_cannot_hold(
+    tiny_path: Path,
+) -> None:
+    """`loader.fit` with no planner: nothing is refused or unloaded, but a stream per
+    sequence chosen for speed gives way when it is larger than the memory free now."""
+    free = available_bytes()
+    opts = EngineOptions(kv_per_sequence=True)
+    fits = ModelSpec("m", tiny_path, opts, estimate_bytes=free // 4, per_sequence_extra=8)
+    assert fit(fits, None, []) == (fits, [])
+    huge = dataclasses.replace(fits, estimate_bytes=free + (1 << 30), per_sequence_extra=1 << 31)
+    chosen, victims = fit(huge, None, [])
+    assert (chosen.engine.kv_per_sequence, chosen.estimate_bytes, victims) == (
+        False,
+        free - (1 << 30),
+        [],
+    )
+    asked = dataclasses.replace(huge, per_sequence_extra=0)  # `true`, not "auto": kept
+    assert fit(asked, None, []) == (asked, [])
 
 
 async def test_a_failed_load_gives_every_waiter_the_cause(

@@ -32,7 +32,7 @@ from barrel.actors.bridge import Answer, Call, call_sync
 from barrel.actors.child import Child, Exit, Link
 from barrel.actors.engine_worker import EngineWorker
 from barrel.actors.keepalive import Forget, Keepalive, UnloadIdle
-from barrel.actors.memory import ModelWouldOOM
+from barrel.actors.memory import ModelWouldOOM, available_bytes
 from barrel.actors.registry import Registry
 from barrel.actors.supervisor import (
     ChildSpec,
@@ -184,11 +184,9 @@ class Loader(Child):
                 current.engine = None  # its thread died: the restarted worker will report
                 current.waiting.append(answer)
             return
-        victims: set[str] = set()
-        if plan is not None:
-            loaded = [(m, lo.spec.estimate_bytes) for m, lo in self._models.items()]
-            spec, names = fit(spec, plan, loaded)
-            victims = {v for v in names if self.unload(v)}
+        loaded = [(m, lo.spec.estimate_bytes) for m, lo in self._models.items()]
+        spec, names = fit(spec, plan, loaded)
+        victims = {v for v in names if self.unload(v)}
         blocked = victims | ({name} if name in self._unloading else set())
         if blocked:
             self._deferred.append(_Deferred(spec, answer, blocked))
@@ -384,12 +382,18 @@ class _Unloaded:
 
 
 def fit(
-    spec: ModelSpec, plan: Planner, loaded: list[tuple[str, int]]
+    spec: ModelSpec, plan: Planner | None, loaded: list[tuple[str, int]]
 ) -> tuple[ModelSpec, list[str]]:
     """The spec to load and the idle models to unload for it: a KV stream per sequence
     chosen only for speed gives way to one shared stream when its memory would refuse
-    the load (ModelWouldOOM) or unload more models."""
+    the load (ModelWouldOOM) or unload more models. Without memory-aware loading
+    (`plan` None) nothing is refused or unloaded, but the speed-chosen layout still
+    gives way when it would not fit in the memory free now."""
     shared = spec.shared()
+    if plan is None:
+        if shared is not spec and spec.estimate_bytes > available_bytes():
+            return shared, []
+        return spec, []
     try:
         victims = plan(spec, loaded)
     except ModelWouldOOM:
