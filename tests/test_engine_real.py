@@ -171,6 +171,31 @@ async def test_a_repeated_prompt_starts_from_the_logits_its_prefill_left(
         await asyncio.to_thread(e.stop)
 
 
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["shared", "per-sequence"])
+async def test_kept_logits_come_back_with_a_state_from_the_state_cache(
+    qwen: LlamaModel, per_sequence: bool
+) -> None:
+    """A prompt's sequence pushed out to the state cache takes its kept logits along: the
+    same prompt asked after it comes back runs no prefill step either, and answers as
+    its cold run did."""
+    opts = EngineOptions(
+        n_ctx=2048, n_seq_max=1, max_pins=0, speculation="off", kv_per_sequence=per_sequence
+    )
+    e = Engine(qwen, opts).start()
+    try:
+        first, other = (qwen.tokenize(ledger(k), add_special=False) for k in (6, 7))
+        _, cold = await e.submit(GenerationRequest(first, max_tokens=24)).collect()
+        await e.submit(GenerationRequest(other, max_tokens=4)).collect()  # takes the slot
+        assert len(e.cache) == 1
+        before = e.steps
+        _, again = await e.submit(GenerationRequest(first, max_tokens=24)).collect()
+        assert (again.usage.prompt_reused, again.usage.prompt_computed) == (len(first), 0)
+        assert again.tokens == cold.tokens
+        assert e.steps - before == len(again.tokens) - 1  # no prefill step
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
 async def test_kept_logits_go_through_the_whole_sampler_chain(
     engine: Engine, qwen: LlamaModel
 ) -> None:

@@ -575,6 +575,8 @@ class Engine:
                 whole=logits is not None,
             )
             self._image_start(run, slot)
+            if logits is None and reuse:  # a restored state may have brought them
+                logits = self.kv.prompt_logits(slot, run.req.prompt, run.n_past)
             run.reused = run.n_past
             run.slot = slot
             self._active.append(run)

@@ -28,6 +28,9 @@ def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]
     return i
 
 
+Logits = tuple[tuple[int, ...], np.ndarray]  # a prompt, and the logits its prefill left
+
+
 @dataclass
 class Slot:
     """One llama.cpp sequence id and what its KV cells hold."""
@@ -43,7 +46,7 @@ class Slot:
     # The logits that followed the last prompt prefilled here, with that prompt: the
     # same prompt asked again samples its first token from them instead of decoding its
     # last token alone (which rounds differently from the batch it was first part of).
-    prompt_logits: tuple[tuple[int, ...], np.ndarray] | None = None
+    prompt_logits: Logits | None = None
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -56,10 +59,13 @@ class SavedState:
     data: bytes | None  # None: spilled to disk
     path: Path | None = None
     scope: str = ""
+    logits: Logits | None = None  # the slot's `prompt_logits` (in RAM only)
 
     @property
     def size(self) -> int:
-        return len(self.data) if self.data is not None else 0
+        if self.data is None:
+            return 0
+        return len(self.data) + (self.logits[1].nbytes if self.logits is not None else 0)
 
 
 class StateCache:
@@ -84,13 +90,23 @@ class StateCache:
     def __len__(self) -> int:
         return len(self._ram) + len(self._disk)
 
-    def put(self, tokens: list[int], session: str | None, data: bytes, scope: str = "") -> None:
+    def put(
+        self,
+        tokens: list[int],
+        session: str | None,
+        data: bytes,
+        scope: str = "",
+        logits: Logits | None = None,
+    ) -> None:
+        """Keep a sequence's state (and the logits its last prompt left, so that the same
+        prompt asked again after a restore decodes nothing either)."""
         if not self.enabled or len(data) > self.ram_bytes:
             return
         key = hashlib.sha1(repr((scope, tokens)).encode()).hexdigest()
         self._drop(key)
-        self._ram[key] = SavedState(tuple(tokens), session, data, scope=scope)
-        self._ram_used += len(data)
+        st = SavedState(tuple(tokens), session, data, scope=scope, logits=logits)
+        self._ram[key] = st
+        self._ram_used += st.size
         while self._ram_used > self.ram_bytes:
             old_key, old = self._ram.popitem(last=False)
             self._ram_used -= old.size

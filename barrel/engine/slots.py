@@ -185,7 +185,8 @@ class SlotManager:
         """Prepare `slot` for `prompt`: returns (tokens reused, a note if reuse fell short).
         Without `reuse` every prompt token is computed again (for its logits). At least
         one prompt token is decoded, for the first sample's logits, unless `whole`: the
-        slot kept them (`prompt_logits`)."""
+        slot kept them (`prompt_logits`), or a state restored from the cache brought
+        them (then all of `prompt` is reused: see `prompt_logits`)."""
         keep = min(lcp, len(prompt) - (0 if whole else 1)) if reuse else 0
         if len(slot.tokens) - keep >= SAVE_MIN_TOKENS or (
             keep < len(slot.tokens) and slot.session is not None
@@ -196,7 +197,9 @@ class SlotManager:
             shared = self._source(slot, prompt, keep, scope)
             restored = self._restore(slot, prompt, shared[0] if shared else keep, scope)
             if restored:
-                keep = min(restored, len(prompt) - 1)
+                # a state restored with the logits this very prompt left keeps it whole
+                whole = self.prompt_logits(slot, prompt, restored) is not None
+                keep = min(restored, len(prompt) - (0 if whole else 1))
             elif shared:
                 keep = min(self._share(slot, *shared), len(prompt) - 1)
         keep, note = self._trim(slot, keep)
@@ -305,7 +308,7 @@ class SlotManager:
         data = self._state_of(slot, self.cache.ram_bytes)
         if data is None:
             return False
-        self.cache.put(list(slot.tokens), slot.session, data, slot.scope)
+        self.cache.put(list(slot.tokens), slot.session, data, slot.scope, slot.prompt_logits)
         return True
 
     def _state_of(self, slot: Slot, limit: int | None = None) -> bytes | None:
@@ -385,4 +388,5 @@ class SlotManager:
             slot.tokens = []
             return 0
         slot.tokens = list(saved.tokens)
+        slot.prompt_logits = saved.logits
         return n
