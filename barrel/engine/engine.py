@@ -207,7 +207,6 @@ class Engine:
         self._lora_default = tuple(lo.scale for lo in opts.loras)
         self._lora_now = self._lora_default
         self._lora_served: dict[tuple[float, ...], int] = {}
-        per_sequence = opts.kv_per_sequence and not opts.embedding
         cache = StateCache(
             opts.state_cache_bytes, opts.state_cache_dir, opts.state_cache_disk_bytes
         )
@@ -217,7 +216,7 @@ class Engine:
             opts.n_seq_max,
             opts.max_pins,
             cache,
-            per_sequence=per_sequence,
+            per_sequence=opts.kv_per_sequence and not opts.embedding,
         )
         self._batch = Batch(max(opts.n_batch, 1))
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -557,7 +556,6 @@ class Engine:
             self._waiting.popleft()
             slot, lcp = choice
             reuse = not run.req.prompt_logprobs
-            logits = self.kv.prompt_logits(slot, run.req.prompt, lcp) if reuse else None
             run.admitted = time.monotonic()
             # Parked sequences leave before this one's cells are placed: a state restored
             # from the cache then lands in the cells they held, low in the KV, not above
@@ -572,11 +570,10 @@ class Engine:
                 run.req.session,
                 reuse=reuse,
                 scope=run.req.scope,
-                whole=logits is not None,
             )
             self._image_start(run, slot)
-            if logits is None and reuse:  # a restored state may have brought them
-                logits = self.kv.prompt_logits(slot, run.req.prompt, run.n_past)
+            # the whole prompt reused with the logits its prefill left (attach)
+            logits = self.kv.prompt_logits(slot, run.req.prompt, run.n_past) if reuse else None
             run.reused = run.n_past
             run.slot = slot
             self._active.append(run)

@@ -180,13 +180,13 @@ class SlotManager:
         *,
         reuse: bool = True,
         scope: str = "",
-        whole: bool = False,
     ) -> tuple[int, str]:
         """Prepare `slot` for `prompt`: returns (tokens reused, a note if reuse fell short).
         Without `reuse` every prompt token is computed again (for its logits). At least
-        one prompt token is decoded, for the first sample's logits, unless `whole`: the
-        slot kept them (`prompt_logits`), or a state restored from the cache brought
-        them (then all of `prompt` is reused: see `prompt_logits`)."""
+        one prompt token is decoded, for the first sample's logits, unless the slot kept
+        the logits this very prompt left (`prompt_logits`), or a state restored from the
+        cache brought them: then all of `prompt` is reused."""
+        whole = reuse and self.prompt_logits(slot, prompt, lcp) is not None
         keep = min(lcp, len(prompt) - (0 if whole else 1)) if reuse else 0
         if len(slot.tokens) - keep >= SAVE_MIN_TOKENS or (
             keep < len(slot.tokens) and slot.session is not None
@@ -363,8 +363,12 @@ class SlotManager:
         destination, before then would be copied or saved wrong (a restore in the same
         admission pass gave another session the restored conversation's cells)."""
         data = self._state_of(src)
-        if data is None:
-            return False
+        return data is not None and self._load(slot, data)
+
+    def _load(self, slot: Slot, data: bytes) -> bool:
+        """Put a saved sequence state into `slot`'s sequence (its cells emptied first);
+        False, and the sequence left empty, if llama.cpp refuses it."""
+        ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if ll.llama_state_seq_set_data(self.ctx, buf, len(data), slot.seq) == 0:
             ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
@@ -381,9 +385,7 @@ class SlotManager:
         data = self.cache.take(key)
         if data is None:
             return 0
-        ll.llama_memory_seq_rm(self.mem, slot.seq, -1, -1)
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if ll.llama_state_seq_set_data(self.ctx, buf, len(data), slot.seq) == 0:
+        if not self._load(slot, data):
             logger.warning("restoring a cached sequence state failed; recomputing")
             slot.tokens = []
             return 0
