@@ -160,3 +160,35 @@ async def test_conversations_that_end_together_get_their_turn_headers_in_one_dec
         assert e.turn_steps == 1  # four sequences, one idle decode
     finally:
         await asyncio.to_thread(e.stop)
+
+
+async def test_turn_headers_go_in_sequence_order_for_one_micro_batch_a_stream_each(
+    model: LlamaModel,
+) -> None:
+    """With a KV stream per sequence llama.cpp makes a micro-batch of each run of
+    increasing, consecutive sequence ids, each a pass over all the weights: the idle
+    decode of four conversations' next-turn tokens lists its rows by sequence, not in
+    the order the conversations finished (newest first), and every conversation gets
+    its tokens."""
+    opts = EngineOptions(n_ctx=2048, n_seq_max=4, next_turn_delay_s=0.05, kv_per_sequence=True)
+    e = Engine(model, opts).start()
+    try:
+        turn = model.tokenize("<|im_end|>\n<|im_start|>user\n", add_special=False)
+        heads = [
+            model.tokenize(f"<|im_start|>user\nQuestion {i}<|im_end|>\n<|im_start|>assistant\n")
+            for i in range(4)
+        ]
+        asks = [
+            GenerationRequest(h, GREEDY, max_tokens=6, ignore_eos=True, next_turn=tuple(turn))
+            for h in heads
+        ]
+        dones = await asyncio.gather(*(e.submit(a).collect() for a in asks))
+        ends = {tuple(h + list(d.tokens) + turn) for h, (_, d) in zip(heads, dones, strict=True)}
+        await _until(lambda: {tuple(s.tokens) for s in e.kv.slots if s.tokens} >= ends)
+        assert e.turn_steps == 1
+        rows = e._batch.seqs()  # the idle decode's batch, still in place
+        assert len(rows) == 4 * (1 + len(turn))  # each: its last answer token and the header
+        assert rows == sorted(rows)
+        assert set(rows) == {s.seq for s in e.kv.slots}
+    finally:
+        await asyncio.to_thread(e.stop)

@@ -229,5 +229,9 @@ class Batch:
         b.n_tokens = self.n
         return i
 
+    def seqs(self) -> list[int]:
+        """The sequence id of each row, in batch order."""
+        return [self.raw.seq_id[i][0] for i in range(self.n)]
+
     def free(self) -> None:
         ll.llama_batch_free(self.raw)

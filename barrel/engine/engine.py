@@ -980,22 +980,30 @@ class Engine:
         `next_turn_delay_s` of quiet: a client that asks again at once (an agent, a
         benchmark) would otherwise wait for this decode and then prefill its own words
         in a second one, which costs more than one decode of both. A sequence taken or
-        changed since is left alone; newest first while the batch has room."""
+        changed since is left alone; newest first while the batch has room. The rows go
+        in sequence order: with a KV stream per sequence llama.cpp makes a micro-batch
+        of each run of increasing, consecutive sequence ids (see `_one_ubatch`), and
+        eight sequences in the order they finished cost up to eight passes over the
+        weights (half a second of both cores here, which the next request waited for)."""
         turns = list(self._turns)
         self._turns.clear()
         b = self._batch
         b.clear()
         taken: list[tuple[Slot, int, list[int]]] = []
+        room = b.capacity
         for slot, length, tokens, _ in reversed(turns):
             if slot.busy or len(slot.tokens) != length or length + len(tokens) >= self.n_ctx:
                 continue  # taken, changed (an older entry of a reused slot) or full
-            if any(slot is s for s, _, _ in taken) or b.n + len(tokens) > b.capacity:
+            if any(slot is s for s, _, _ in taken) or len(tokens) > room:
                 continue
-            for j, token in enumerate(tokens):
-                b.add(token, length + j, slot.seq, False)
             taken.append((slot, length, tokens))
+            room -= len(tokens)
         if not taken:
             return
+        taken.sort(key=lambda turn: turn[0].seq)
+        for slot, length, tokens in taken:
+            for j, token in enumerate(tokens):
+                b.add(token, length + j, slot.seq, False)
         b.raw.logits[b.n - 1] = True  # llama_decode wants one output
         if self._lora_now != self._lora_default:
             set_lora_scales(self.ctx, self._loras, self._lora_default)
