@@ -6,8 +6,11 @@ with the same client, on Qwen2.5-Coder-0.5B Q4_K_M.
 llama-server is built once from the llama.cpp vendored in the pinned llama-cpp-python
 sdist (cmake and a C++ compiler needed; cached under the models cache). It is a
 measuring stick, never a dependency. Both servers get the same model file, a 4096-token
-context and 8 parallel sequences; requests are greedy and streamed. Rounds alternate
-(barrel, llama-server, barrel, ...) after a warm-up each; medians are compared:
+context and 8 parallel sequences; requests are greedy and streamed. After a warm-up
+each, every round runs one workload at a time on all servers (seconds apart, so that
+the drift of a noisy box falls on both sides alike), who goes first alternating between
+rounds, and each measurement starts once every server has been idle for half a second
+(`settle`); medians are compared, and the rounds' values print beside them:
 
 - aggregate tokens/s at 1, 4 and 8 concurrent streams;
 - the time to first token of a follow-up turn in a ~1,500-token conversation, asked at
@@ -32,6 +35,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -174,6 +178,37 @@ async def code_edit(session: aiohttp.ClientSession, url: str, n: int) -> float:
     return chunks / (end - start)
 
 
+Workload = Callable[[aiohttp.ClientSession, str, int], Awaitable[float]]
+
+
+def workloads(names: set[str], tokens: int) -> list[tuple[str, Workload]]:
+    """(result key, run(session, url, round) -> value) of each measurement asked for."""
+
+    def streams(clients: int) -> Workload:
+        async def run(s: aiohttp.ClientSession, url: str, r: int) -> float:
+            return await throughput(s, url, clients, tokens)
+
+        return run
+
+    async def edit(s: aiohttp.ClientSession, url: str, r: int) -> float:
+        return await code_edit(s, url, 256)
+
+    async def at_once(s: aiohttp.ClientSession, url: str, r: int) -> float:
+        return await follow_up_ttft(s, url, r) * 1000
+
+    async def after_1s(s: aiohttp.ClientSession, url: str, r: int) -> float:
+        return await follow_up_ttft(s, url, r + 100, 1.0) * 1000
+
+    plan: list[tuple[str, Workload]] = []
+    if "streams" in names:
+        plan += [(f"{c} streams tok/s", streams(c)) for c in (1, 4, 8)]
+    if "follow-up" in names:
+        plan += [("follow-up TTFT ms", at_once), ("after 1 s TTFT ms", after_1s)]
+    if "code-edit" in names:
+        plan.append(("code edit tok/s", edit))
+    return plan
+
+
 async def measure(args: argparse.Namespace) -> None:
     model = bundled.assemble("qwen2.5-coder-0.5b")
     llama_server()  # build before timing anything
@@ -197,24 +232,22 @@ async def measure(args: argparse.Namespace) -> None:
                     ready = "/health/ready" if name in barrels else "/health"
                     await wait_ready(session, url, ready, timeout=120)
                     await throughput(session, url, 1, 8)  # warm-up (Barrel loads the model)
+                plan = workloads(args.workloads, args.tokens)
+                pids = [proc.pid for proc, _ in servers.values()]
                 for r in range(args.rounds):
+                    # one workload at a time on every server, so that the drift of a
+                    # noisy box between two compared numbers is seconds, not minutes;
                     # alternate who goes first (ABBA): neither always runs on a cooler box
-                    order = list(servers.items())
-                    for name, (_, url) in order if r % 2 == 0 else order[::-1]:
-                        res = results.setdefault(name, {})
-                        if name != "llama-server+ngram":
-                            if "streams" in args.workloads:
-                                for clients in (1, 4, 8):
-                                    rate = await throughput(session, url, clients, args.tokens)
-                                    res.setdefault(f"{clients} streams tok/s", []).append(rate)
-                            if "follow-up" in args.workloads:
-                                ttft = await follow_up_ttft(session, url, r)
-                                res.setdefault("follow-up TTFT ms", []).append(ttft * 1000)
-                                ttft = await follow_up_ttft(session, url, r + 100, 1.0)
-                                res.setdefault("after 1 s TTFT ms", []).append(ttft * 1000)
-                        if "code-edit" in args.workloads:
-                            rate = await code_edit(session, url, 256)
-                            res.setdefault("code edit tok/s", []).append(rate)
+                    for key, run in plan:
+                        order = [
+                            (name, url)
+                            for name, (_, url) in servers.items()
+                            if name != "llama-server+ngram" or key == "code edit tok/s"
+                        ]
+                        for name, url in order if r % 2 == 0 else order[::-1]:
+                            await settle(pids)
+                            value = await run(session, url, r)
+                            results.setdefault(name, {}).setdefault(key, []).append(value)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
@@ -225,12 +258,45 @@ async def measure(args: argparse.Namespace) -> None:
         print(f"{name}:")
         for key in ours:
             b, o = statistics.median(base[key]), statistics.median(ours[key])
-            print(f"{key:>22}: barrel {o:8.1f}  llama-server {b:8.1f}  ratio {o / b:.2f}x")
+            print(
+                f"{key:>22}: barrel {o:8.1f}  llama-server {b:8.1f}  ratio {o / b:.2f}x"
+                f"  (rounds: {rounds(ours[key])} / {rounds(base[key])})"
+            )
         if "code-edit" in args.workloads:
-            spec = statistics.median(results["llama-server+ngram"]["code edit tok/s"])
+            theirs = results["llama-server+ngram"]["code edit tok/s"]
+            spec = statistics.median(theirs)
             o = statistics.median(ours["code edit tok/s"])
             label = "code edit vs +ngram"
-            print(f"{label:>22}: barrel {o:8.1f}  llama-server {spec:8.1f}  ratio {o / spec:.2f}x")
+            print(
+                f"{label:>22}: barrel {o:8.1f}  llama-server {spec:8.1f}  ratio {o / spec:.2f}x"
+                f"  (rounds: {rounds(ours['code edit tok/s'])} / {rounds(theirs)})"
+            )
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def settle(pids: list[int], quiet: float = 0.5, limit: float = 30.0) -> None:
+    """Wait until no server uses the CPU for `quiet` seconds (at most `limit`). A server's
+    work after its answers (Barrel decodes a finished conversation's next-turn header
+    0.2 s later) would otherwise run inside the next server's measurement, and two
+    spinning thread pools on two cores slow each other down by far more than the work."""
+    deadline = time.monotonic() + limit
+    before = [cpu_seconds(pid) for pid in pids]
+    while time.monotonic() < deadline:
+        await asyncio.sleep(quiet)
+        now = [cpu_seconds(pid) for pid in pids]
+        if all(b - a < 0.02 for a, b in zip(before, now, strict=True)):
+            return
+        before = now
+
+
+def rounds(values: list[float]) -> str:
+    return " ".join(f"{v:.0f}" for v in values)
 
 
 def main() -> None:
