@@ -257,20 +257,10 @@ async def measure(args: argparse.Namespace) -> None:
         ours = results[name]
         print(f"{name}:")
         for key in ours:
-            b, o = statistics.median(base[key]), statistics.median(ours[key])
-            print(
-                f"{key:>22}: barrel {o:8.1f}  llama-server {b:8.1f}  ratio {o / b:.2f}x"
-                f"  (rounds: {rounds(ours[key])} / {rounds(base[key])})"
-            )
+            compare(key, ours[key], base[key])
         if "code-edit" in args.workloads:
             theirs = results["llama-server+ngram"]["code edit tok/s"]
-            spec = statistics.median(theirs)
-            o = statistics.median(ours["code edit tok/s"])
-            label = "code edit vs +ngram"
-            print(
-                f"{label:>22}: barrel {o:8.1f}  llama-server {spec:8.1f}  ratio {o / spec:.2f}x"
-                f"  (rounds: {rounds(ours['code edit tok/s'])} / {rounds(theirs)})"
-            )
+            compare("code edit vs +ngram", ours["code edit tok/s"], theirs)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -295,8 +285,13 @@ async def settle(pids: list[int], quiet: float = 0.5, limit: float = 30.0) -> No
         before = now
 
 
-def rounds(values: list[float]) -> str:
-    return " ".join(f"{v:.0f}" for v in values)
+def compare(label: str, ours: list[float], theirs: list[float]) -> None:
+    """One line: both medians, their ratio, and each side's rounds."""
+    o, b = statistics.median(ours), statistics.median(theirs)
+    each = " / ".join(" ".join(f"{v:.0f}" for v in side) for side in (ours, theirs))
+    print(
+        f"{label:>22}: barrel {o:8.1f}  llama-server {b:8.1f}  ratio {o / b:.2f}x  (rounds: {each})"
+    )
 
 
 def main() -> None:
