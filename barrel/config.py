@@ -115,6 +115,11 @@ class ModelDefaults(_Section, frozen=True):
     # exceeds the memory free at load.
     kv_per_sequence: bool | Literal["auto"] = "auto"
     speculation: str = "ngram"  # ngram (prompt-lookup drafts) | off
+    # true: load weights into llama.cpp's extra (CPU repack) buffers, as llama-server
+    # does: faster steps of many streams, but a greedy answer then depends on how many
+    # sequences shared its steps (guides/performance.md). "auto": true except on CPUs
+    # with AMX (the pinned llama.cpp build crashes with them there).
+    extra_buffers: bool | Literal["auto"] = False
     draft_max: int = 64  # draft tokens verified per step at most
     queue_depth: int = 16  # requests that may wait per model beyond num_seq_max running
     queue_timeout_s: float = 300.0  # a request waiting longer gets 503

@@ -51,6 +51,7 @@ VARIANTS = {
     "shared": "kv_per_sequence = false",  # one KV stream for all, flash attention on
     "shared-flash-off": 'kv_per_sequence = false\nflash_attn = "off"',
     "per-sequence-flash-on": 'kv_per_sequence = true\nflash_attn = "on"',  # llama-server's
+    "extra-buffers": "extra_buffers = true",  # CPU repack weight buffers, as llama-server
 }
 FILE = "\n\n".join(
     f'''def shape_{i}(width, height):

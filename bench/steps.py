@@ -4,7 +4,7 @@ drift of a noisy box falls on all of them alike.
 
     .venv/bin/python -m bench.steps [--sizes 1,2,4,8,16] [--context 600] [--parked 0]
         [--logits all|last] [--flash auto,off] [--kv f16,q8_0] [--layout unified,split]
-        [--streams 4,8] [--reps 7]
+        [--streams 4,8] [--extra off,on] [--reps 7]
 
 One sequence holds `--context` tokens and, with `--parked`, another sequence holds that
 many more cells (a parked conversation). A step of n tokens continues the first
@@ -15,8 +15,10 @@ flash-attention setting, a KV cache type and a KV layout gets its own context: `
 is the engine's (one KV stream that every sequence shares, 8,192 cells), `split` gives
 each sequence a stream of its own (8,192 cells each; `EngineOptions.kv_per_sequence`),
 as llama-server runs. Flash attention `auto` with `split` is off on a CPU, as in the
-engine: llama-server's own setting is `--flash on --layout split`. The medians (ms)
-print as a Markdown table.
+engine: llama-server's own setting is `--flash on --layout split`. `--extra off,on`
+loads the model twice, without and with llama.cpp's extra (CPU repack) weight buffers
+(`ModelOptions.extra_buffers`), and times every variant on both. The medians (ms) print
+as a Markdown table.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 import llama_cpp as ll
 
 from barrel.engine.context import Batch, EngineOptions, KVType, new_context
-from barrel.engine.model import LlamaModel
+from barrel.engine.model import LlamaModel, ModelOptions
 from barrel.store import bundled
 
 N_CTX = 8192
@@ -51,6 +53,8 @@ class Variant:
             kv_per_sequence=layout == "split",
         )
         self.name = f"flash_attn {flash}, kv {kv}, {layout}"
+        if len(args.extra) > 1:
+            self.name += f", extra {'on' if model.options.uses_extra_buffers() else 'off'}"
         self.ctx: Any = new_context(model, opts, N_CTX)
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = Batch(CHUNK)
@@ -102,11 +106,15 @@ def main() -> None:
     parser.add_argument("--kv", type=lambda t: t.split(","), default=["f16"])
     parser.add_argument("--layout", type=lambda t: t.split(","), default=["unified"])
     parser.add_argument("--streams", type=numbers, default=[])
+    parser.add_argument("--extra", type=lambda t: t.split(","), default=["auto"])
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
-    model = LlamaModel.load(bundled.assemble("qwen2.5-coder-0.5b"))
+    path = bundled.assemble("qwen2.5-coder-0.5b")
+    extra = {"auto": None, "on": True, "off": False}
+    models = [LlamaModel.load(path, ModelOptions(extra_buffers=extra[e])) for e in args.extra]
     variants = [
         Variant(model, flash, kv, layout, args)
+        for model in models
         for flash in args.flash
         for kv in args.kv
         for layout in args.layout
@@ -129,7 +137,8 @@ def main() -> None:
         cells = " | ".join(f"{statistics.median(v.times[k]):.1f}" for k in keys)
         print(f"| {v.name} | {cells} |")
         ll.llama_free(v.ctx)
-    model.free()
+    for model in models:
+        model.free()
 
 
 if __name__ == "__main__":

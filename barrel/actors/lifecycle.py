@@ -203,7 +203,7 @@ class Lifecycle:
         n_ctx = max(64, min(n_ctx, self.config.models.max_context_size))
         kv_type = str(params.get("kv_cache_type", d.kv_cache_type))
         flash = params.get("flash_attn")
-        model = model_options_for(params)
+        model = model_options_for(params, d.extra_buffers)
         auto = d.kv_per_sequence == "auto"
         per_sequence = (
             runs_on_cpu(model) and _plain_attention(meta) if auto else bool(d.kv_per_sequence)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pykka
 
@@ -407,7 +407,9 @@ def fit(
     return spec, victims
 
 
-def model_options_for(params: dict[str, Any]) -> ModelOptions:
+def model_options_for(
+    params: dict[str, Any], extra_buffers: bool | Literal["auto"] = False
+) -> ModelOptions:
     mode = LoadMode.MMAP
     if params.get("use_mlock"):
         mode = LoadMode.MMAP_MLOCK
@@ -415,7 +417,11 @@ def model_options_for(params: dict[str, Any]) -> ModelOptions:
         mode = LoadMode.NONE
     if params.get("weight_residency") == "pinned":
         mode = LoadMode.MMAP_MLOCK
-    return ModelOptions(n_gpu_layers=int(params.get("num_gpu", 0)), load_mode=mode)
+    return ModelOptions(
+        n_gpu_layers=int(params.get("num_gpu", 0)),
+        load_mode=mode,
+        extra_buffers=None if extra_buffers == "auto" else extra_buffers,
+    )
 
 
 def start_model_subtree(link: Link, subtree: ChildSpec) -> pykka.ActorRef[Any]:

@@ -9,6 +9,7 @@ an unload never frees the vocabulary under a tokenizer.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import re
@@ -75,10 +76,31 @@ _LOAD_MODES = {
 class ModelOptions:
     n_gpu_layers: int = 0
     load_mode: LoadMode = LoadMode.MMAP
-    # llama.cpp's "extra" weight buffers (CPU repack, AMX). Off by default: on CPUs with
-    # AMX the 0.3.36 build crashes in llama_decode with them (guides/performance.md).
-    extra_buffers: bool = False
+    # llama.cpp's "extra" weight buffers (CPU repack, AMX), as llama-server loads: the
+    # Q4_K weights of a Q4_K_M file then decode from an interleaved copy made at load,
+    # ~7-10 % faster steps of eight streams of Qwen2.5-Coder-0.5B on two cores. Off by
+    # default: the repacked kernels round a row differently by how many rows share the
+    # step, so a greedy answer would depend on what else runs beside it
+    # (guides/performance.md). None: on, except on CPUs with AMX, where the 0.3.36 build
+    # crashes in llama_decode with them.
+    extra_buffers: bool | None = False
     vocab_only: bool = False
+
+    def uses_extra_buffers(self) -> bool:
+        return not cpu_has_amx() if self.extra_buffers is None else self.extra_buffers
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether the CPU has Intel AMX tiles (Linux: /proc/cpuinfo; elsewhere False)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        pass
+    return False
 
 
 class LlamaModel:
@@ -117,7 +139,7 @@ class LlamaModel:
         params = ll.llama_model_default_params()
         params.n_gpu_layers = opts.n_gpu_layers
         params.load_mode = _LOAD_MODES[opts.load_mode]
-        params.use_extra_bufts = opts.extra_buffers
+        params.use_extra_bufts = opts.uses_extra_buffers()
         params.vocab_only = opts.vocab_only
         handle = ll.llama_model_load_from_file(os.fsencode(path), params)
         if not handle:

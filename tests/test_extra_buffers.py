@@ -1,0 +1,74 @@
+"""llama.cpp's extra (CPU repack) weight buffers: `ModelOptions.extra_buffers` and the
+config key `models.defaults.extra_buffers`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from barrel.engine.context import EngineOptions
+from barrel.engine.engine import Engine
+from barrel.engine.model import LlamaModel, ModelOptions, cpu_has_amx
+from barrel.engine.types import GREEDY, GenerationRequest
+from tests.test_lifecycle import MakeClient, start
+
+REPACKED = "CPU_REPACK model buffer size"
+OFFERED = "preferred buffer type CPU_REPACK"
+
+QUESTION = (
+    "<|im_start|>user\nWhat is the capital of France? Answer with one word.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+def _load_log(caplog: pytest.LogCaptureFixture, path: Path, opts: ModelOptions) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="barrel.llama"):
+        LlamaModel.load(path, opts).free()
+    return caplog.text
+
+
+@pytest.mark.real_model
+async def test_auto_repacks_qwens_q4_k_weights_and_the_model_answers(
+    qwen_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Off by default. "auto" (None) puts Qwen's Q4_K tensors in a repack buffer unless
+    the CPU has AMX, and the model still answers."""
+    assert REPACKED not in _load_log(caplog, qwen_path, ModelOptions())
+    auto = ModelOptions(extra_buffers=None)
+    assert (REPACKED in _load_log(caplog, qwen_path, auto)) == (not cpu_has_amx())
+    model = LlamaModel.load(qwen_path, auto)
+    engine = Engine(model, EngineOptions(n_ctx=512, n_seq_max=1)).start()
+    try:
+        request = GenerationRequest(model.tokenize(QUESTION), max_tokens=4, sampling=GREEDY)
+        _, done = await engine.submit(request).collect()
+        assert "Paris" in model.detokenize(list(done.tokens))
+    finally:
+        await asyncio.to_thread(engine.stop)
+        model.free()
+
+
+@pytest.mark.parametrize("extra", [False, True])
+async def test_the_config_key_reaches_the_load(
+    aiohttp_client: MakeClient,
+    tmp_path: Path,
+    tiny_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    extra: bool,
+) -> None:
+    """`models.defaults.extra_buffers` decides whether llama.cpp is offered the repack
+    buffers at load (the tiny model has no tensor they take: safe on any CPU), and the
+    model answers either way."""
+    with caplog.at_level(logging.DEBUG, logger="barrel.llama"):
+        _, lc = await start(
+            aiohttp_client, tmp_path, {"tiny": tiny_path}, defaults={"extra_buffers": extra}
+        )
+        lease = await lc.acquire("tiny", keep_alive=60)
+    assert (OFFERED in caplog.text) == extra
+    request = GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=3)
+    _, done = await lease.engine.submit(request).collect()
+    assert done.usage.completion_tokens == 3
+    await lc.release(lease)
