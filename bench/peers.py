@@ -52,6 +52,7 @@ VARIANTS = {
     "shared-flash-off": 'kv_per_sequence = false\nflash_attn = "off"',
     "per-sequence-flash-on": 'kv_per_sequence = true\nflash_attn = "on"',  # llama-server's
     "extra-buffers": "extra_buffers = true",  # CPU repack weight buffers, as llama-server
+    "extra-buffers-flash-on": 'extra_buffers = true\nflash_attn = "on"',
 }
 FILE = "\n\n".join(
     f'''def shape_{i}(width, height):
