@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--kv", type=lambda t: t.split(","), default=["f16"])
     parser.add_argument("--layout", type=lambda t: t.split(","), default=["unified"])
     parser.add_argument("--streams", type=numbers, default=[])
-    parser.add_argument("--extra", type=lambda t: t.split(","), default=["auto"])
+    parser.add_argument("--extra", type=lambda t: t.split(","), default=["off"])
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     path = bundled.assemble("qwen2.5-coder-0.5b")

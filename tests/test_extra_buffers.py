@@ -24,11 +24,10 @@ QUESTION = (
 )
 
 
-def _load_log(caplog: pytest.LogCaptureFixture, path: Path, opts: ModelOptions) -> str:
+def _load(caplog: pytest.LogCaptureFixture, path: Path, opts: ModelOptions) -> LlamaModel:
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="barrel.llama"):
-        LlamaModel.load(path, opts).free()
-    return caplog.text
+        return LlamaModel.load(path, opts)
 
 
 @pytest.mark.real_model
@@ -37,10 +36,10 @@ async def test_auto_repacks_qwens_q4_k_weights_and_the_model_answers(
 ) -> None:
     """Off by default. "auto" (None) puts Qwen's Q4_K tensors in a repack buffer unless
     the CPU has AMX, and the model still answers."""
-    assert REPACKED not in _load_log(caplog, qwen_path, ModelOptions())
-    auto = ModelOptions(extra_buffers=None)
-    assert (REPACKED in _load_log(caplog, qwen_path, auto)) == (not cpu_has_amx())
-    model = LlamaModel.load(qwen_path, auto)
+    _load(caplog, qwen_path, ModelOptions()).free()
+    assert REPACKED not in caplog.text
+    model = _load(caplog, qwen_path, ModelOptions(extra_buffers=None))
+    assert (REPACKED in caplog.text) == (not cpu_has_amx())
     engine = Engine(model, EngineOptions(n_ctx=512, n_seq_max=1)).start()
     try:
         request = GenerationRequest(model.tokenize(QUESTION), max_tokens=4, sampling=GREEDY)
