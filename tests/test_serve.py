@@ -80,7 +80,14 @@ def test_sigusr1_dumps_every_thread_stack(daemon: Daemon) -> None:
     assert daemon.proc.poll() is None, "SIGUSR1 must not stop the daemon"
     # One thread takes the signal and dumps with the GIL held; every other thread, native
     # ones included, blocks it, so it never lands in the middle of a thread starting.
-    taking = [t for t in _threads(daemon.proc.pid) if not _blocks(t, signal.SIGUSR1)]
+    # The taker shows the signal unblocked only while in sigwait: it may still be writing
+    # the dump, so wait for it to be back there.
+    deadline = time.monotonic() + 10
+    while True:
+        taking = [t for t in _threads(daemon.proc.pid) if not _blocks(t, signal.SIGUSR1)]
+        if taking or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert len(taking) == 1, taking
     assert taking[0].name != str(daemon.proc.pid), "not the main thread: its loop may be stuck"
 
