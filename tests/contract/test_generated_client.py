@@ -134,6 +134,8 @@ def test_the_generated_client_reads_streamed_answers(live: Live, generated: Any)
         lines = [json.loads(line) for line in r.iter_lines() if line.strip()]
     pieces = [ChatPiece.from_dict(line) for line in lines[:-1]]
     last = ChatDone.from_dict(lines[-1])
-    assert len(pieces) == 4
+    # a piece per token, except where a token ends mid-character or could start a stop
+    # string: its text rides with the next piece (the sampled tokens are not seeded)
     assert last.eval_count == 4
+    assert 1 <= len(pieces) <= 4
     assert "".join(p.message.content for p in pieces) != ""
