@@ -49,9 +49,19 @@ def log_callback() -> object:
     return _log
 
 
+# ggml's CPU "tiled" K-quant matmul (GGML_CPU_TILED_MM, on by default in llama.cpp) takes
+# every step of 8 rows or more: it unpacks the weights again on each step, which made
+# eight streams of a Q4_K_M model ~15 % slower on two cores than ggml's per-row dot
+# products, and rounds differently from them, so a row's logits depended on whether 7
+# other rows shared its step. Off unless the environment says otherwise; ggml reads it
+# once, at its first matmul (guides/performance.md, "The tiled K-quant matmul").
+TILED_MATMUL_ENV = "GGML_CPU_TILED_MM"
+
+
 def _init_backend() -> None:
     global _backend_ready
     if not _backend_ready:
+        os.environ.setdefault(TILED_MATMUL_ENV, "0")
         ll.llama_backend_init()
         ll.llama_log_set(_log, ctypes.c_void_p(0))
         _backend_ready = True
@@ -78,11 +88,12 @@ class ModelOptions:
     load_mode: LoadMode = LoadMode.MMAP
     # llama.cpp's "extra" weight buffers (CPU repack, AMX), as llama-server loads: the
     # Q4_K weights of a Q4_K_M file then decode from an interleaved copy made at load,
-    # ~7-10 % faster steps of eight streams of Qwen2.5-Coder-0.5B on two cores. Off by
-    # default: the repacked kernels round a row differently by how many rows share the
-    # step, so a greedy answer would depend on what else runs beside it
-    # (guides/performance.md). None: on, except on CPUs with AMX, where the 0.3.36 build
-    # crashes in llama_decode with them.
+    # ~7-10 % faster prefill of Qwen2.5-Coder-0.5B on two cores (steps of eight streams:
+    # the same, with the tiled matmul off, see TILED_MATMUL_ENV). Off by default: the
+    # repacked kernels round a row differently by how many rows share the step, so a
+    # greedy answer would depend on what else runs beside it (guides/performance.md).
+    # None: on, except on CPUs with AMX, where the 0.3.36 build crashes in llama_decode
+    # with them.
     extra_buffers: bool | None = False
     vocab_only: bool = False
 
