@@ -131,10 +131,15 @@ async def http_round(
 
 
 def start_daemon(
-    tmp: Path, path: Path, clients: int, defaults: str = "", n: int = 0
+    tmp: Path,
+    path: Path,
+    clients: int,
+    defaults: str = "",
+    n: int = 0,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """The `n`th Barrel daemon of a bench (its own port and config), with `defaults`
-    added to its `[models.defaults]` (TOML lines)."""
+    added to its `[models.defaults]` (TOML lines) and `env` added to its environment."""
     port = 18000 + (os.getpid() + 7 * n) % 1000
     config = tmp / f"bench{n}.toml"
     config.write_text(
@@ -148,6 +153,7 @@ def start_daemon(
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
     )
     return proc, f"http://127.0.0.1:{port}"
 

@@ -15,6 +15,7 @@ rounds, and each measurement starts once every server has been idle for half a s
 - aggregate tokens/s at 1, 4 and 8 concurrent streams;
 - the time to first token of a follow-up turn in a ~1,500-token conversation, asked at
   once and asked 1 s after the answer (a person reading it);
+- the time to first token of a ~1,900-token prompt neither server has seen (cold);
 - a code edit (the answer repeats most of a given file), one stream, tokens/s; against
   llama-server without and with its n-gram speculation.
 
@@ -53,7 +54,10 @@ VARIANTS = {
     "per-sequence-flash-on": 'kv_per_sequence = true\nflash_attn = "on"',  # llama-server's
     "extra-buffers": "extra_buffers = true",  # CPU repack weight buffers, as llama-server
     "extra-buffers-flash-on": 'extra_buffers = true\nflash_attn = "on"',
+    "tiled": "",  # ggml's tiled K-quant matmul on (llama.cpp's default), see VARIANT_ENV
 }
+# ... and the environment of each, where it differs
+VARIANT_ENV = {"tiled": {"GGML_CPU_TILED_MM": "1"}}
 FILE = "\n\n".join(
     f'''def shape_{i}(width, height):
     """Area and perimeter of rectangle number {i}."""
@@ -174,6 +178,14 @@ async def follow_up_ttft(
     return first
 
 
+async def cold_ttft(session: aiohttp.ClientSession, url: str, round_no: int) -> float:
+    """The TTFT of a ~1,900-token prompt new to the server (a pasted document)."""
+    notes = " ".join(f"Entry {round_no}.{k}: box {k} holds {k * 7 % 90} nails." for k in range(110))
+    ask = [{"role": "user", "content": f"{notes}\nWhich box holds the most nails?"}]
+    first, _, _, _ = await stream(session, url, ask, 4)
+    return first
+
+
 async def code_edit(session: aiohttp.ClientSession, url: str, n: int) -> float:
     start = time.perf_counter()
     _, chunks, end, _ = await stream(session, url, [{"role": "user", "content": CODE_EDIT}], n)
@@ -201,11 +213,16 @@ def workloads(names: set[str], tokens: int) -> list[tuple[str, Workload]]:
     async def after_1s(s: aiohttp.ClientSession, url: str, r: int) -> float:
         return await follow_up_ttft(s, url, r + 100, 1.0) * 1000
 
+    async def cold(s: aiohttp.ClientSession, url: str, r: int) -> float:
+        return await cold_ttft(s, url, r) * 1000
+
     plan: list[tuple[str, Workload]] = []
     if "streams" in names:
         plan += [(f"{c} streams tok/s", streams(c)) for c in (1, 4, 8)]
     if "follow-up" in names:
         plan += [("follow-up TTFT ms", at_once), ("after 1 s TTFT ms", after_1s)]
+    if "cold" in names:
+        plan.append(("cold TTFT ms", cold))
     if "code-edit" in names:
         plan.append(("code edit tok/s", edit))
     return plan
@@ -218,7 +235,9 @@ async def measure(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         barrels = {
-            f"barrel {v}": start_daemon(Path(tmp), model, PARALLEL, VARIANTS[v], n)
+            f"barrel {v}": start_daemon(
+                Path(tmp), model, PARALLEL, VARIANTS[v], n, VARIANT_ENV.get(v)
+            )
             for n, v in enumerate(args.barrel)
         }
         servers = {
@@ -310,8 +329,8 @@ def main() -> None:
     parser.add_argument(
         "--workloads",
         type=lambda text: set(text.split(",")),
-        default={"streams", "follow-up", "code-edit"},
-        help="comma-separated: streams, follow-up, code-edit (default: all)",
+        default={"streams", "follow-up", "cold", "code-edit"},
+        help="comma-separated: streams, follow-up, cold, code-edit (default: all)",
     )
     args = parser.parse_args()
     if unknown := set(args.barrel) - set(VARIANTS):
