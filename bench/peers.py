@@ -41,6 +41,7 @@ from pathlib import Path
 
 import aiohttp
 
+from barrel.engine.model import TILED_MATMUL_ENV
 from barrel.store import bundled
 from bench.http import CTX, start_daemon, wait_ready
 
@@ -57,7 +58,7 @@ VARIANTS = {
     "tiled": "",  # ggml's tiled K-quant matmul on (llama.cpp's default), see VARIANT_ENV
 }
 # ... and the environment of each, where it differs
-VARIANT_ENV = {"tiled": {"GGML_CPU_TILED_MM": "1"}}
+VARIANT_ENV = {"tiled": {TILED_MATMUL_ENV: "1"}}
 FILE = "\n\n".join(
     f'''def shape_{i}(width, height):
     """Area and perimeter of rectangle number {i}."""

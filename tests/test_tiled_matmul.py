@@ -1,5 +1,5 @@
 """ggml's CPU tiled K-quant matmul is off in the engine (`GGML_CPU_TILED_MM=0` unless the
-environment sets it): Qwen's Q4_K weights then go through the same per-row dot products
+environment sets it): Qwen's Q4_K and Q6_K weights then go through the same per-row dot products
 in a step of one row and in a step of eight, so a sequence's logits do not depend on how
 many others share its steps. ggml reads the variable once per process, so the setting a
 user gives is checked in a child process."""
@@ -79,6 +79,15 @@ def test_a_sequences_logprobs_are_the_same_alone_and_beside_seven_others(
     assert got["together"] == got["alone"]  # bit for bit
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((set(line.split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif("avx2" not in _cpu_flags(), reason="no tiled path in ggml here")
 def test_a_tiled_matmul_the_user_asks_for_is_honoured(qwen_path: Path) -> None:
     """With llama.cpp's own default (tiled on), the eight-row steps round Q4_K products
     differently from the one-row steps: the same logprobs are no longer the same."""
