@@ -9,7 +9,8 @@ The tokenizer comes out of the GGUF through transformers' GGUF reader, so nothin
 fetched from the Hugging Face hub. Both servers get the same model file, context and
 parallel sequences (bench/peers' settings); GuideLLM sends synthetic chat requests (a
 fixed prompt and answer length, streamed, a seed) at a fixed concurrency, first to one
-server, then to the other, then once more each (ABBA), and reports per-request TTFT,
+server, then to the other, then once more each (ABBA; each run after both servers
+have been idle for half a second, as in bench/peers), and reports per-request TTFT,
 inter-token latency and output throughput; this script prints their percentiles side by
 side.
 """
@@ -29,7 +30,7 @@ import aiohttp
 
 from barrel.store import bundled
 from bench.http import MODEL, start_daemon, wait_ready
-from bench.peers import PARALLEL, llama_server, start_llama_server
+from bench.peers import PARALLEL, llama_server, settle, start_llama_server
 
 GUIDELLM = "guidellm==0.8.1"
 FIGURES = [("time_to_first_token_ms", "TTFT ms"), ("inter_token_latency_ms", "ITL ms")]
@@ -146,9 +147,11 @@ def main() -> None:
                 warm = argparse.Namespace(**{**vars(args), "requests": args.streams})
                 run_guidellm(env, url, names[name], tokenizer, warm, args.reports / "warm.json")
             order = ["barrel", "llama-server", "llama-server", "barrel"]
+            pids = [proc.pid for proc, _ in servers.values()]
             for i, name in enumerate(order):
                 out = args.reports / f"{i}-{name}.json"
                 url = servers[name][1]
+                asyncio.run(settle(pids))  # the last run's idle work ends first
                 reports[name].append(run_guidellm(env, url, names[name], tokenizer, args, out))
         finally:
             for proc, _ in servers.values():
