@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import llama_cpp as ll
 import msgspec
 import openai
 import pytest
@@ -192,3 +194,70 @@ async def test_turn_headers_go_in_sequence_order_for_one_micro_batch_a_stream_ea
         assert set(rows) == {s.seq for s in e.kv.slots}
     finally:
         await asyncio.to_thread(e.stop)
+
+
+class _Held(Engine):
+    """An engine whose first idle decode pauses inside llama.cpp, at its abort callback
+    after the first node of the graph, until the test has queued a request: a request
+    arriving during an idle decode, made certain."""
+
+    def __init__(self, model: LlamaModel, opts: EngineOptions) -> None:
+        super().__init__(model, opts)
+        self.idle = threading.Event()  # an idle decode is under way
+        self.go = threading.Event()
+
+        def held(_data: object) -> bool:
+            if not self.idle.is_set():
+                self.idle.set()
+                assert self.go.wait(30), "the test did not queue its request"
+            return self._interrupt
+
+        self._abort_check = ll.ggml_abort_callback(held)
+
+
+async def test_a_request_does_not_wait_for_an_idle_turn_decode(model: LlamaModel) -> None:
+    """A request queued while the engine decodes a finished conversation's next-turn
+    tokens stops that decode (llama.cpp's abort callback) instead of waiting for it;
+    the conversation's cells stay as they were, and its turn tokens are decoded once
+    the engine is idle again."""
+    opts = EngineOptions(n_ctx=2048, n_seq_max=2, next_turn_delay_s=0.0)
+    e = _Held(model, opts).start()
+    try:
+        turn = model.tokenize("<|im_end|>\n<|im_start|>user\n", add_special=False)
+        head = model.tokenize("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
+        first = GenerationRequest(
+            head, GREEDY, max_tokens=6, ignore_eos=True, next_turn=tuple(turn)
+        )
+        _, done = await e.submit(first).collect()
+        answer = list(done.tokens)
+        assert await asyncio.to_thread(e.idle.wait, 30)
+        other = model.tokenize("<|im_start|>user\nSomething else<|im_end|>\n")
+        stream = e.submit(GenerationRequest(other, GREEDY, max_tokens=4))
+        e.go.set()
+        _, interrupting = await stream.collect()
+        assert e.turn_aborts == 1
+        # the conversation gets its turn tokens after all, in a later idle decode
+        slot = next(s for s in e.kv.slots if s.tokens[: len(head)] == head)
+        await _until(lambda: slot.tokens == [*head, *answer, *turn])
+        assert e.turn_steps == 1
+        words = model.tokenize("And now?<|im_end|>\n<|im_start|>assistant\n", add_special=False)
+        follow = GenerationRequest([*head, *answer, *turn, *words], GREEDY, max_tokens=4)
+        _, again = await e.submit(follow).collect()
+        assert again.usage.prompt_computed == len(words)
+    finally:
+        await asyncio.to_thread(e.stop)
+    # the same requests on an engine whose idle decode nothing interrupted
+    e2 = Engine(model, opts).start()
+    try:
+        _, done2 = await e2.submit(first).collect()
+        await _until(lambda: e2.turn_steps == 1)
+        _, interrupting2 = await e2.submit(GenerationRequest(other, GREEDY, max_tokens=4)).collect()
+        _, again2 = await e2.submit(follow).collect()
+        assert (done2.tokens, interrupting2.tokens, again2.tokens) == (
+            done.tokens,
+            interrupting.tokens,
+            again.tokens,
+        )
+        assert e2.turn_aborts == 0
+    finally:
+        await asyncio.to_thread(e2.stop)
