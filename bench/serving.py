@@ -1,7 +1,7 @@
 """GuideLLM, a serving benchmark users know, against Barrel and llama-server in one run,
 on Qwen2.5-Coder-0.5B Q4_K_M, with the tokenizer read offline from the GGUF file.
 
-    .venv/bin/python -m bench.serving [--streams 4] [--requests 24]
+    .venv/bin/python -m bench.serving [--streams 4] [--requests 24] [--defaults 'k = v']
 
 GuideLLM (and the transformers and torch it needs) lives in its own virtual environment
 under the models cache, installed on first use: a measuring stick, never a dependency.
@@ -10,7 +10,9 @@ fetched from the Hugging Face hub. Both servers get the same model file, context
 parallel sequences (bench/peers' settings); GuideLLM sends synthetic chat requests (a
 fixed prompt and answer length, streamed, a seed) at a fixed concurrency, first to one
 server, then to the other, then once more each (ABBA; each run after both servers
-have been idle for half a second, as in bench/peers), and reports per-request TTFT,
+have been idle for half a second, as in bench/peers; the first pair of runs gets the
+prompts of one seed, the second pair another's, so that no server meets a prompt it
+has cached), and reports per-request TTFT,
 inter-token latency and output throughput; this script prints their percentiles side by
 side.
 """
@@ -63,7 +65,13 @@ def tokenizer_dir(env: Path, gguf: Path) -> Path:
 
 
 def run_guidellm(
-    env: Path, url: str, model: str, tokenizer: Path, args: argparse.Namespace, out: Path
+    env: Path,
+    url: str,
+    model: str,
+    tokenizer: Path,
+    args: argparse.Namespace,
+    out: Path,
+    seed: int,
 ) -> dict[str, Any]:
     command = [
         str(env / "bin" / "guidellm"),
@@ -79,7 +87,7 @@ def run_guidellm(
         "--constraint",
         f"kind=max_requests,count={args.requests}",
         "--seed",
-        "kind=static,value=42",
+        f"kind=static,value={seed}",
         "--output",
         f"kind=json,path={out}",
         "--disable-console-interactive",
@@ -127,6 +135,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--defaults", default="", help="TOML lines for Barrel's [models.defaults]")
     parser.add_argument("--reports", type=Path, default=Path(tempfile.gettempdir()) / "serving")
     args = parser.parse_args()
     args.reports.mkdir(parents=True, exist_ok=True)
@@ -137,7 +146,7 @@ def main() -> None:
     reports: dict[str, list[dict[str, Any]]] = {"barrel": [], "llama-server": []}
     with tempfile.TemporaryDirectory() as tmp:
         servers = {
-            "barrel": start_daemon(Path(tmp), model, PARALLEL),
+            "barrel": start_daemon(Path(tmp), model, PARALLEL, args.defaults),
             "llama-server": start_llama_server(model),
         }
         names = {"barrel": MODEL, "llama-server": "qwen"}
@@ -145,14 +154,16 @@ def main() -> None:
             asyncio.run(ready({k: url for k, (_, url) in servers.items()}))
             for name, (_, url) in servers.items():  # warm-up: Barrel loads the model
                 warm = argparse.Namespace(**{**vars(args), "requests": args.streams})
-                run_guidellm(env, url, names[name], tokenizer, warm, args.reports / "warm.json")
-            order = ["barrel", "llama-server", "llama-server", "barrel"]
+                run_guidellm(env, url, names[name], tokenizer, warm, args.reports / "warm.json", 1)
+            # the prompts of a seed are new to both servers the first time each gets them
+            order = [("barrel", 42), ("llama-server", 42), ("llama-server", 43), ("barrel", 43)]
             pids = [proc.pid for proc, _ in servers.values()]
-            for i, name in enumerate(order):
+            for i, (name, seed) in enumerate(order):
                 out = args.reports / f"{i}-{name}.json"
                 url = servers[name][1]
                 asyncio.run(settle(pids))  # the last run's idle work ends first
-                reports[name].append(run_guidellm(env, url, names[name], tokenizer, args, out))
+                report = run_guidellm(env, url, names[name], tokenizer, args, out, seed)
+                reports[name].append(report)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
