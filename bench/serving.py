@@ -12,9 +12,8 @@ fixed prompt and answer length, streamed, a seed) at a fixed concurrency, first 
 server, then to the other, then once more each (ABBA; each run after both servers
 have been idle for half a second, as in bench/peers; the first pair of runs gets the
 prompts of one seed, the second pair another's, so that no server meets a prompt it
-has cached), and reports per-request TTFT,
-inter-token latency and output throughput; this script prints their percentiles side by
-side.
+has cached), and reports per-request TTFT, inter-token latency and output throughput;
+this script prints their percentiles side by side.
 """
 
 from __future__ import annotations

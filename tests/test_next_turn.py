@@ -207,9 +207,9 @@ class _Held(Engine):
         self.go = threading.Event()
 
         def held(_data: object) -> bool:
-            if not self.idle.is_set():
+            if not self.idle.is_set():  # (ctypes would swallow an assertion here)
                 self.idle.set()
-                assert self.go.wait(30), "the test did not queue its request"
+                self.go.wait(30)
             return self._interrupt
 
         self._abort_check = ll.ggml_abort_callback(held)
