@@ -17,7 +17,8 @@ rounds, and each measurement starts once every server has been idle for half a s
   once and asked 1 s after the answer (a person reading it);
 - the time to first token of a ~1,900-token prompt neither server has seen (cold);
 - a code edit (the answer repeats most of a given file), one stream, tokens/s; against
-  llama-server without and with its n-gram speculation.
+  llama-server without and with its n-gram speculation;
+- churn: 4 streams asking new ~300-token prompts one after another, tokens/s.
 
 `--barrel default,shared` runs several Barrel daemons side by side, each
 with its own settings (VARIANTS), every one compared with the same llama-server rounds.
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -126,12 +128,17 @@ def start_llama_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes
 
 
 async def stream(
-    session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], tokens: int
+    session: aiohttp.ClientSession,
+    url: str,
+    messages: list[dict[str, str]],
+    tokens: int,
+    ignore_eos: bool = False,
 ) -> tuple[float, int, float, str]:
     """(time to first content, tokens, end time, text) of one streamed chat: the tokens
     from the last chunk's usage (a speculating server sends several a chunk), else the
     content chunks."""
     body = {"model": "qwen", "messages": messages, "temperature": 0, "max_tokens": tokens}
+    body |= {"ignore_eos": True} if ignore_eos else {}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first, chunks, text, used = 0.0, 0, "", 0
@@ -160,6 +167,43 @@ async def throughput(session: aiohttp.ClientSession, url: str, clients: int, n: 
     start = time.perf_counter()
     results = await asyncio.gather(*(stream(session, url, m, n) for m in asks))
     return sum(r[1] for r in results) / (max(r[2] for r in results) - start)
+
+
+async def churn(
+    session: aiohttp.ClientSession, url: str, round_no: int, clients: int = 4, each: int = 3
+) -> float:
+    """Aggregate tokens/s of `clients` streams that each ask `each` questions in turn, every
+    one a new ~300-token prompt answered in 128 tokens (`ignore_eos`, equal lengths): new
+    prompts to prefill while other streams decode, GuideLLM's mix."""
+    rnd = random.Random(round_no)
+    words = [
+        "river",
+        "stone",
+        "cloud",
+        "orange",
+        "market",
+        "window",
+        "garden",
+        "copper",
+        "lamp",
+        "field",
+    ]
+
+    def ask() -> list[dict[str, str]]:
+        text = " ".join(f"{rnd.choice(words)}{rnd.randint(0, 999)}" for _ in range(90))
+        return [{"role": "user", "content": f"Summarise these notes: {text}"}]
+
+    asks = [[ask() for _ in range(each)] for _ in range(clients)]
+
+    async def client(mine: list[list[dict[str, str]]]) -> int:
+        tokens = 0
+        for messages in mine:
+            tokens += (await stream(session, url, messages, 128, ignore_eos=True))[1]
+        return tokens
+
+    start = time.perf_counter()
+    done = await asyncio.gather(*(client(mine) for mine in asks))
+    return sum(done) / (time.perf_counter() - start)
 
 
 async def follow_up_ttft(
@@ -217,6 +261,9 @@ def workloads(names: set[str], tokens: int) -> list[tuple[str, Workload]]:
     async def cold(s: aiohttp.ClientSession, url: str, r: int) -> float:
         return await cold_ttft(s, url, r) * 1000
 
+    async def new_prompts(s: aiohttp.ClientSession, url: str, r: int) -> float:
+        return await churn(s, url, r)
+
     plan: list[tuple[str, Workload]] = []
     if "streams" in names:
         plan += [(f"{c} streams tok/s", streams(c)) for c in (1, 4, 8)]
@@ -226,6 +273,8 @@ def workloads(names: set[str], tokens: int) -> list[tuple[str, Workload]]:
         plan.append(("cold TTFT ms", cold))
     if "code-edit" in names:
         plan.append(("code edit tok/s", edit))
+    if "churn" in names:
+        plan.append(("churn tok/s", new_prompts))
     return plan
 
 
@@ -330,8 +379,8 @@ def main() -> None:
     parser.add_argument(
         "--workloads",
         type=lambda text: set(text.split(",")),
-        default={"streams", "follow-up", "cold", "code-edit"},
-        help="comma-separated: streams, follow-up, cold, code-edit (default: all)",
+        default={"streams", "follow-up", "cold", "code-edit", "churn"},
+        help="comma-separated: streams, follow-up, cold, code-edit, churn (default: all)",
     )
     args = parser.parse_args()
     if unknown := set(args.barrel) - set(VARIANTS):
