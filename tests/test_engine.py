@@ -119,20 +119,38 @@ async def test_max_tokens_and_full_context_end_with_length(model: LlamaModel) ->
         e.stop()
 
 
-@pytest.mark.parametrize(("gather_s", "steps"), [(0.25, 1), (0.0, 2)])
+@pytest.mark.parametrize(("gather_s", "steps"), [(30.0, 1), (0.0, 2)])
 async def test_requests_arriving_together_share_the_first_step(
     model: LlamaModel, gather_s: float, steps: int
 ) -> None:
-    """An idle engine waits `gather_s` for others to join a request's first step; a
-    request that misses it waits a whole step for its first token."""
+    """An idle engine waits up to `gather_s` for the requests of open sessions to join a
+    request's first step, and no longer once they are in; a request that misses it waits
+    a whole step for its first token."""
     e = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=2, gather_s=gather_s)).start()
     try:
+        e.expect(2)  # two sessions open: two clients on their way
         first = e.submit(req(model, "Hello world", max_tokens=1))
         await asyncio.sleep(0.05)  # a concurrent client, a little later
         second = e.submit(req(model, "Once upon a time", max_tokens=1))
-        await first.collect()
-        await second.collect()
+        # far below gather_s: the step starts when the second request is in
+        await asyncio.wait_for(first.collect(), timeout=20)
+        await asyncio.wait_for(second.collect(), timeout=20)
         assert e.steps == steps
+    finally:
+        e.stop()
+
+
+async def test_a_lone_request_does_not_wait_to_be_joined(model: LlamaModel) -> None:
+    """With no other session open, nobody can join the first step: it starts at once,
+    not `gather_s` later; a session that closed without a request stops the wait too."""
+    e = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=2, gather_s=30.0)).start()
+    try:
+        e.expect(2)
+        e.expect(-1)  # one client went away before its request
+        lone = e.submit(req(model, "Hello world", max_tokens=1))
+        _, done = await asyncio.wait_for(lone.collect(), timeout=20)
+        assert done.usage.completion_tokens == 1
+        assert e.steps == 1
     finally:
         e.stop()
 

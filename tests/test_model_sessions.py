@@ -50,6 +50,34 @@ async def test_a_session_used_after_its_release_raises(
         await session.template()
 
 
+async def test_a_generation_session_is_expected_by_its_engine_until_it_closes(
+    aiohttp_client: Any, tmp_path: Path, tiny_path: Path
+) -> None:
+    """An idle engine holds its first step only for open sessions that will generate
+    (Engine.expect): a tokenizing session is not one, and a closed one no longer is."""
+    config = decode(f'[models]\ncache_root = "{tmp_path}"\n')
+    client = await aiohttp_client(app_for(config, local_models={"tiny": str(tiny_path)}))
+    models = (await booted(client.server.app)).models
+    async with models.open("tiny", queued=False) as tokenizing:
+        engine = tokenizing._engine
+        assert engine.expected == 0
+        async with models.open("tiny") as first, models.open("tiny", sequences=2) as second:
+            assert engine.expected == 3  # n = 2: two sequences of one request
+            assert second is not first
+        assert engine.expected == 0
+    seen = []
+
+    async def failing_handler() -> None:
+        async with models.open("tiny"):
+            seen.append(engine.expected)
+            raise RuntimeError("the handler failed before submitting")
+
+    with pytest.raises(RuntimeError):
+        await failing_handler()
+    assert seen == [1]
+    assert engine.expected == 0
+
+
 # long enough that each answer spends a while in the vocabulary (pieces included)
 TEXT = " ".join(f"word{i} ünïcode {i * 7919}" for i in range(600))
 

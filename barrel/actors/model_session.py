@@ -64,6 +64,8 @@ class ModelSession:
         engine: Engine,
         caches: ModelCaches,
         timings: Callable[[float, float], None] | None = None,
+        *,
+        runs: int = 0,
     ) -> None:
         self.spec = spec
         self._engine = engine
@@ -71,6 +73,11 @@ class ModelSession:
         self._caches = caches
         self._timings = timings
         self._open = True
+        # the engine sequences this session will run: an idle engine holds its first
+        # step for them (Engine.expect)
+        self._expected = runs
+        if runs:
+            engine.expect(runs)
 
     # -- the lease ------------------------------------------------------------------
 
@@ -81,6 +88,9 @@ class ModelSession:
 
     def close(self) -> None:
         self._open = False
+        if self._expected:
+            self._engine.expect(-self._expected)
+            self._expected = 0
 
     @property
     def name(self) -> str:

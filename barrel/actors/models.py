@@ -95,18 +95,24 @@ class Models:
         else:
             lease = await lc.unqueued(model)
         try:
-            async with self._held(lease) as session:
+            async with self._held(
+                lease, runs=0 if embedding or not queued else sequences
+            ) as session:
                 yield session
         finally:
             await lc.release(lease, keep_alive)
 
     @asynccontextmanager
-    async def _held(self, lease: Lease) -> AsyncIterator[ModelSession]:
+    async def _held(self, lease: Lease, *, runs: int) -> AsyncIterator[ModelSession]:
         llama = lease.engine.model
         if not llama.retain():
             raise EngineStopped(f"model {lease.model} was unloaded; try again", retry_after=1.0)
         session = ModelSession(
-            lease.spec, lease.engine, self._caches, self.metrics.pipeline_timings
+            lease.spec,
+            lease.engine,
+            self._caches,
+            self.metrics.pipeline_timings,
+            runs=runs,
         )
         try:
             yield session

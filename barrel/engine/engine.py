@@ -234,6 +234,9 @@ class Engine:
         self._gate = threading.Lock()
         self._waiting: deque[Run] = deque()
         self._active: list[Run] = []
+        # Open sessions that may submit a request (`expect`); the engine thread only reads
+        # it: an idle engine gathers a first step only while one of them has not arrived.
+        self._expected = 0
         self._runs: dict[RequestId, Run] = {}
         self._dirty: dict[RequestId, Run] = {}  # runs with events to deliver this step
         self._pinning: list[_PinJob] = []
@@ -332,6 +335,18 @@ class Engine:
                 raise EngineStopped(f"engine {self.name} is not running", retry_after=1.0)
             self._queue_work(_Submit(Run(rid, req, s, sampler)))
         return s
+
+    def expect(self, sessions: int) -> None:
+        """`sessions` more (negative: fewer) open sessions that may submit a request soon
+        (any thread). While more are open than requests have arrived, an idle engine
+        holds its first step up to `gather_s` for them; a lone request starts at once."""
+        with self._gate:
+            self._expected += sessions
+
+    @property
+    def expected(self) -> int:
+        """Open sessions that may submit a request (`expect`)."""
+        return self._expected
 
     def _with_lora(self, req: GenerationRequest) -> GenerationRequest:
         """`req` with its LoRA scales checked, and a KV scope of their own when they
@@ -526,13 +541,18 @@ class Engine:
                 return
 
     def _gather(self, seconds: float) -> None:
-        """Requests that arrive within `seconds` join the first step."""
+        """Requests that arrive within `seconds` join the first step, while sessions are
+        open whose request has not arrived (`expect`)."""
         deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
+        while self._coming() and (left := deadline - time.monotonic()) > 0:
             try:
                 self._handle(self._inbox.get(timeout=left))
             except queue.Empty:
                 return
+
+    def _coming(self) -> bool:
+        """More sessions are open than runs are here: a request is on its way."""
+        return self._expected > len(self._waiting) + len(self._active)
 
     def _handle(self, cmd: Any) -> None:
         if isinstance(cmd, _Submit):
