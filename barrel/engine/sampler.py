@@ -43,6 +43,11 @@ class Sampler:
         except BaseException:
             self.free()
             raise
+        # Greedy with nothing before it (no grammar, bias, penalties or DRY): the token is
+        # the first largest logit, which numpy finds in a tenth of the time the chain
+        # takes to copy the vocabulary into its candidate array (25 against 250 us on
+        # Qwen's 151,936 tokens), for every sampled token, each draft position included.
+        self._argmax = params.greedy and ll.llama_sampler_chain_n(self._chain) == 1
 
     def _add(self, smpl: ll.llama_sampler_p | None, what: str) -> None:
         if not smpl:
@@ -140,11 +145,15 @@ class Sampler:
 
     def sample(self, ctx: ll.llama_context_p, index: int) -> int:
         """Sample from the logits of batch position `index` and accept the token."""
+        if self._argmax:
+            return int(np.argmax(self.logits_of(ctx, index, self._model.n_vocab)))
         return int(ll.llama_sampler_sample(self._chain, ctx, index))
 
     def sample_from(self, logits: np.ndarray) -> int:
         """Sample from a row of logits kept from an earlier step and accept the token,
         as `llama_sampler_sample` does with the context's own row."""
+        if self._argmax:
+            return int(np.argmax(logits))
         cur = np.empty(len(logits), dtype=TOKEN_DATA)
         cur["id"] = _token_ids(len(logits))
         cur["logit"] = logits
