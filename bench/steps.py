@@ -24,6 +24,7 @@ as a Markdown table.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -55,6 +56,8 @@ class Variant:
         self.name = f"flash_attn {flash}, kv {kv}, {layout}"
         if len(args.extra) > 1:
             self.name += f", extra {'on' if model.options.uses_extra_buffers() else 'off'}"
+        if len(args.models) > 1:
+            self.name += f", {os.path.basename(model.path)}"
         self.ctx: Any = new_context(model, opts, N_CTX)
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = Batch(CHUNK)
@@ -108,10 +111,15 @@ def main() -> None:
     parser.add_argument("--streams", type=numbers, default=[])
     parser.add_argument("--extra", type=lambda t: t.split(","), default=["off"])
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--models", type=lambda t: t.split(","), default=[])
     args = parser.parse_args()
-    path = bundled.assemble("qwen2.5-coder-0.5b")
+    paths = args.models or [str(bundled.assemble("qwen2.5-coder-0.5b"))]
     extra = {"auto": None, "on": True, "off": False}
-    models = [LlamaModel.load(path, ModelOptions(extra_buffers=extra[e])) for e in args.extra]
+    models = [
+        LlamaModel.load(path, ModelOptions(extra_buffers=extra[e]))
+        for path in paths
+        for e in args.extra
+    ]
     variants = [
         Variant(model, flash, kv, layout, args)
         for model in models

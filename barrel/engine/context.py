@@ -65,9 +65,10 @@ class EngineOptions:
     swa_full: bool = False
     # Prompt tokens per step while other sequences generate: bounds their stall.
     prefill_chunk: int = 128
-    # When a request wakes an idle engine, wait this long for others to join its first
-    # step: concurrent clients arrive a few milliseconds apart, and one that misses the
-    # step waits a whole decode step for its first token. 0: start at once.
+    # When a request wakes an idle engine, wait up to this long for the requests of other
+    # open sessions (Engine.expect) to join its first step: concurrent clients arrive a
+    # few milliseconds apart, and one that misses the step waits a whole decode step for
+    # its first token. 0: start at once.
     gather_s: float = 0.004
     state_cache_bytes: int = 256 * 1024 * 1024  # 0: off
     state_cache_dir: Path | None = None
