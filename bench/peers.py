@@ -10,7 +10,8 @@ context and 8 parallel sequences; requests are greedy and streamed. After a warm
 each, every round runs one workload at a time on all servers (seconds apart, so that
 the drift of a noisy box falls on both sides alike), who goes first alternating between
 rounds, and each measurement starts once every server has been idle for half a second
-(`settle`); medians are compared, and the rounds' values print beside them:
+(`settle`); medians are compared, and so are the rounds one by one (the median of each
+round's ratio), with the rounds' values beside them:
 
 - aggregate tokens/s at 1, 4 and 8 concurrent streams;
 - the time to first token of a follow-up turn in a ~1,500-token conversation, asked at
@@ -357,11 +358,15 @@ async def settle(pids: list[int], quiet: float = 0.5, limit: float = 30.0) -> No
 
 
 def compare(label: str, ours: list[float], theirs: list[float]) -> None:
-    """One line: both medians, their ratio, and each side's rounds."""
+    """One line: both medians, their ratio, the median of the rounds' own ratios (each
+    round's two numbers were measured seconds apart, so the box's drift between rounds
+    cancels out of it), and each side's rounds."""
     o, b = statistics.median(ours), statistics.median(theirs)
+    paired = statistics.median(x / y for x, y in zip(ours, theirs, strict=True))
     each = " / ".join(" ".join(f"{v:.0f}" for v in side) for side in (ours, theirs))
     print(
-        f"{label:>22}: barrel {o:8.1f}  llama-server {b:8.1f}  ratio {o / b:.2f}x  (rounds: {each})"
+        f"{label:>22}: barrel {o:8.1f}  llama-server {b:8.1f}  ratio {o / b:.2f}x"
+        f"  paired {paired:.2f}x  (rounds: {each})"
     )
 
 
