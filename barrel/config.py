@@ -152,8 +152,7 @@ class ModelsConfig(_Section, frozen=True):
     memory_aware_loading: bool = False
     memory_budget_bytes: int = 0  # 0: no budget beyond free memory and the cgroup limit
     model_load_memory_margin_b: int = 1 << 30
-    # huge_pages | eager | lazy | pinned | lazy_then_pin_resident (guides/sizing.md)
-    weight_residency_default: str = "huge_pages"
+    weight_residency_default: str = "eager"  # eager | lazy | pinned | lazy_then_pin_resident
     # Evictor: below this much available memory, unload idle models one per interval.
     memory_watermark_bytes: int = 0  # 0: off
     evictor_interval_s: float = 5.0
@@ -302,7 +301,7 @@ def validate(config: Config, source: str) -> None:
     for origin in config.registry.image_origins:
         if not origin.startswith(("http://", "https://")):
             errors.append(f"registry.image_origins: {origin!r} is not an http(s) origin")
-    residency = ("huge_pages", "eager", "lazy", "pinned", "lazy_then_pin_resident")
+    residency = ("eager", "lazy", "pinned", "lazy_then_pin_resident")
     if config.models.weight_residency_default not in residency:
         errors.append(f"models.weight_residency_default: must be one of {', '.join(residency)}")
     try:

@@ -59,10 +59,7 @@ VARIANTS = {
     "extra-buffers": "extra_buffers = true",  # CPU repack weight buffers, as llama-server
     "extra-buffers-flash-on": 'extra_buffers = true\nflash_attn = "on"',
     "tiled": "",  # ggml's tiled K-quant matmul on (llama.cpp's default), see VARIANT_ENV
-    "mapped": "",  # the weights mapped from the file, not in huge pages: VARIANT_MODELS
 }
-# ... and the [models] lines of each, where they differ
-VARIANT_MODELS = {"mapped": 'weight_residency_default = "eager"'}
 # ... and the environment of each, where it differs
 VARIANT_ENV = {"tiled": {TILED_MATMUL_ENV: "1"}}
 FILE = "\n\n".join(
@@ -290,8 +287,7 @@ async def measure(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         barrels = {
             f"barrel {v}": start_daemon(
-                *(Path(tmp), model, PARALLEL, VARIANTS[v], n),
-                *(VARIANT_ENV.get(v), VARIANT_MODELS.get(v, "")),
+                Path(tmp), model, PARALLEL, VARIANTS[v], n, VARIANT_ENV.get(v)
             )
             for n, v in enumerate(args.barrel)
         }

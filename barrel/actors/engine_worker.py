@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from barrel.actors.child import Child, Exit, Link
-from barrel.engine import hugepages
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine, EngineObserver
-from barrel.engine.model import LlamaModel, LoadMode, ModelOptions
+from barrel.engine.model import LlamaModel, ModelOptions
 from barrel.engine.residency import ResidencyTracker, advise, pin_resident
 from barrel.engine.types import Done
 from barrel.errors import BarrelError
@@ -72,7 +71,6 @@ class EngineWorker(Child):
         self.model_label = model or link.id
         self.model: LlamaModel | None = None
         self._engine: Engine | None = None
-        self.collapser: hugepages.Collapser | None = None
         self._ready: concurrent.futures.Future[Engine] = concurrent.futures.Future()
         self._on_ready = on_ready
 
@@ -94,14 +92,8 @@ class EngineWorker(Child):
 
     def _load(self) -> None:
         try:
-            huge = self.residency == "huge_pages" and hugepages.available()
-            before = hugepages.anonymous_regions() if huge else set()
             self.model = LlamaModel.load(self.path, self.model_options)
             advise(self.path, self.residency)
-            if huge and self.model_options.load_mode is LoadMode.NONE:
-                # read into anonymous memory: move it into huge pages while serving
-                found = hugepages.new_regions(before, hugepages.anonymous_regions())
-                self.collapser = hugepages.Collapser(self.model, found, self.link.id)
             observer = self.observer
             if self.residency == "lazy_then_pin_resident":
                 observer = _PinAfterFirstRequest(self.path, observer)
@@ -123,11 +115,8 @@ class EngineWorker(Child):
             self._loaded(None, exc)
             raise
         logger.info("model %s loaded from %s (%s)", self.link.id, self.path, self.residency)
-        if self.collapser is not None:
-            self.collapser.start()
         if self.tracker is not None:
-            held = self.path.stat().st_size if self.collapser is not None else None
-            self.tracker.register(self.model_label, self.path, held)
+            self.tracker.register(self.model_label, self.path)
         self._loaded(self._engine, None)
 
     def _loaded(self, engine: Engine | None, error: BaseException | None) -> None:
@@ -148,8 +137,6 @@ class EngineWorker(Child):
             self.tracker.unregister(self.model_label)
         if not self._ready.done():
             self._ready.set_exception(EngineThreadDied(f"{self.link.id} stopped before loading"))
-        if self.collapser is not None:
-            self.collapser.stop()
         if self._engine is not None:
             self._engine.stop()
             self._engine = None

@@ -203,8 +203,7 @@ class Lifecycle:
         n_ctx = max(64, min(n_ctx, self.config.models.max_context_size))
         kv_type = str(params.get("kv_cache_type", d.kv_cache_type))
         flash = params.get("flash_attn")
-        residency = str(params.get("weight_residency", self.config.models.weight_residency_default))
-        model = model_options_for(params, d.extra_buffers, residency)
+        model = model_options_for(params, d.extra_buffers)
         auto = d.kv_per_sequence == "auto"
         per_sequence = (
             runs_on_cpu(model) and _plain_attention(meta) if auto else bool(d.kv_per_sequence)
@@ -237,7 +236,9 @@ class Lifecycle:
             per_sequence_extra=estimate_bytes - shared_bytes if auto else 0,
             details=details,
             digest=digest,
-            residency=residency,
+            residency=str(
+                params.get("weight_residency", self.config.models.weight_residency_default)
+            ),
             queue_depth=int(params.get("queue_depth", d.queue_depth)),
             queue_timeout=float(params.get("queue_timeout", d.queue_timeout_s)),
         )

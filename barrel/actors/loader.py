@@ -43,7 +43,6 @@ from barrel.actors.supervisor import (
     SupFlags,
     supervisor_spec,
 )
-from barrel.engine import hugepages
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LoadMode, ModelOptions
@@ -409,21 +408,14 @@ def fit(
 
 
 def model_options_for(
-    params: dict[str, Any],
-    extra_buffers: bool | Literal["auto"] = False,
-    residency: str = "eager",
+    params: dict[str, Any], extra_buffers: bool | Literal["auto"] = False
 ) -> ModelOptions:
-    """How to load a model: `params` (its Modelfile's, over `residency`, the weight
-    residency it resolved to) choose the load mode."""
     mode = LoadMode.MMAP
-    residency = params.get("weight_residency", residency)
-    if residency == "huge_pages" and hugepages.available() and "use_mmap" not in params:
-        mode = LoadMode.NONE  # anonymous memory, which may go into huge pages
     if params.get("use_mlock"):
         mode = LoadMode.MMAP_MLOCK
     if params.get("use_mmap") is False:
         mode = LoadMode.NONE
-    if residency == "pinned":
+    if params.get("weight_residency") == "pinned":
         mode = LoadMode.MMAP_MLOCK
     return ModelOptions(
         n_gpu_layers=int(params.get("num_gpu", 0)),

@@ -11,10 +11,7 @@ weight_residency, config default; Modelfile over manifest over config):
   mapping is marked MADV_RANDOM;
 - pinned: mlock the whole mapping (the load mode asks llama.cpp for it too);
 - lazy_then_pin_resident: lazy at load; after the first request, lock only the pages
-  that request made resident;
-- huge_pages: not mapped; llama.cpp reads the weights into anonymous memory, which
-  barrel.engine.hugepages moves into transparent huge pages (Linux; elsewhere, or with
-  THP off, eager).
+  that request made resident.
 
 A failed mlock (RLIMIT_MEMLOCK, missing capability) is a logged warning, never a crash.
 """
@@ -37,7 +34,7 @@ MADV_RANDOM = 1
 MADV_WILLNEED = 3
 MADV_DONTNEED = 4
 PAGE = mmap.PAGESIZE
-MODES = ("eager", "lazy", "pinned", "lazy_then_pin_resident", "huge_pages")
+MODES = ("eager", "lazy", "pinned", "lazy_then_pin_resident")
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -87,7 +84,7 @@ def advise(path: Path, mode: str) -> None:
     found = mappings(path)
     for start, end in found:
         length = end - start
-        if mode in ("eager", "huge_pages"):  # huge_pages mapped: THP off or not Linux
+        if mode == "eager":
             _libc.madvise(start, length, MADV_WILLNEED)
         elif mode in ("lazy", "lazy_then_pin_resident"):
             _libc.madvise(start, length, MADV_RANDOM)
@@ -136,26 +133,16 @@ class ResidencyTracker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._paths: dict[str, Path] = {}
-        self._held: dict[str, int] = {}
 
-    def register(self, model: str, path: Path, held: int | None = None) -> None:
-        """`held`: the weights are not mapped but read into anonymous memory, this many
-        bytes of it (counted as resident)."""
+    def register(self, model: str, path: Path) -> None:
         with self._lock:
             self._paths[model] = path
-            self._held.pop(model, None)
-            if held is not None:
-                self._held[model] = held
 
     def unregister(self, model: str) -> None:
         with self._lock:
             self._paths.pop(model, None)
-            self._held.pop(model, None)
 
     def resident(self) -> dict[str, int]:
         with self._lock:
-            paths, held = dict(self._paths), dict(self._held)
-        return {
-            model: held[model] if model in held else resident_bytes(path)
-            for model, path in paths.items()
-        }
+            paths = dict(self._paths)
+        return {model: resident_bytes(path) for model, path in paths.items()}

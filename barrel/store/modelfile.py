@@ -37,7 +37,7 @@ def looks_like_path(text: str) -> bool:
     return text.startswith(("/", "./", "../", "~")) or text.endswith(".gguf") or "\\" in text
 
 
-WEIGHT_RESIDENCY = ("huge_pages", "eager", "lazy", "pinned", "lazy_then_pin_resident")
+WEIGHT_RESIDENCY = ("eager", "lazy", "pinned", "lazy_then_pin_resident")
 
 # Every llama.cpp / Ollama parameter Barrel accepts, with its type.
 PARAMETERS: dict[str, Any] = {
