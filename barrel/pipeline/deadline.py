@@ -3,8 +3,15 @@ template's loops): past it, an exception is raised inside the working thread.
 
 `PyThreadState_SetAsyncExc` delivers the exception at the thread's next bytecode, so even
 a loop of C calls stops. The delivery is armed only while the block runs (a lock orders
-it against the block's end) and any pending one is withdrawn when the block ends, so it
-can never land in whatever the thread does next (pool threads are reused).
+it against the block's end), and one armed but not yet landed when the block ends is made
+to land in the block's own exit and dropped there, so it can never land in whatever the
+thread does next (pool threads are reused).
+
+It is never withdrawn with `PyThreadState_SetAsyncExc(ident, NULL)`: on CPython 3.11 that
+call raises the interpreter's "async exception pending" flag, and only a delivered
+exception lowers it again. A flag left up sends every thread of the process down the
+interpreter's slow path at each call and loop, and under a trace or profile function
+(pdb, debugpy, coverage, cProfile) the next traced call spins for ever.
 """
 
 from __future__ import annotations
@@ -32,21 +39,36 @@ def budget(seconds: float | None) -> Iterator[None]:
         return
     ident = threading.get_ident()
     lock = threading.Lock()
-    running = True
+    running, armed, landed = True, False, False
 
     def expire() -> None:
+        nonlocal armed
         with lock:
             if running:
-                _set_async_exc(ident, Expired)
+                armed = _set_async_exc(ident, Expired) == 1
 
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
     timer.start()
     try:
         yield
+    except Expired:
+        landed = True
+        raise
     finally:
         with lock:
             running = False
         timer.cancel()
-        # Withdraw a delivery that was armed but has not landed yet.
-        _set_async_exc(ident, ctypes.py_object())
+        if armed and not landed:
+            _absorb()
+
+
+def _absorb() -> None:
+    """Let an `Expired` that was armed for this thread but has not landed yet land here,
+    and drop it: CPython delivers it at the next loop back-edge. When nothing is pending
+    (it landed and was swallowed inside the block), the loop just runs out."""
+    try:
+        for _ in range(1000):
+            pass
+    except Expired:
+        pass
