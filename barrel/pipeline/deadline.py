@@ -9,9 +9,8 @@ thread does next (pool threads are reused).
 
 It is never withdrawn with `PyThreadState_SetAsyncExc(ident, NULL)`: on CPython 3.11 that
 call raises the interpreter's "async exception pending" flag, and only a delivered
-exception lowers it again. A flag left up sends every thread of the process down the
-interpreter's slow path at each call and loop, and under a trace or profile function
-(pdb, debugpy, coverage, cProfile) the next traced call spins for ever.
+exception lowers it again. With the flag left up, the next call made under a trace or
+profile function (pdb, debugpy, coverage, cProfile) spins for ever.
 """
 
 from __future__ import annotations
