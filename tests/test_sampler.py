@@ -14,7 +14,7 @@ import pytest
 from barrel.engine import sampler as sampler_module
 from barrel.engine.context import Batch, EngineOptions, new_context
 from barrel.engine.model import LlamaModel, ModelOptions
-from barrel.engine.sampler import Sampler
+from barrel.engine.sampler import LogitRows, Sampler
 from barrel.engine.types import GREEDY
 
 PROMPT = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints"
@@ -63,6 +63,45 @@ def counting_chain(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def test_logit_rows_are_the_contexts_rows_and_follow_a_new_decode(
+    decoded: tuple[LlamaModel, Any, int],
+) -> None:
+    """Each row's view holds exactly what llama.cpp returns for that row. After another
+    decode, the same lookups show the new logits: a view is the row, never a copy."""
+    model = decoded[0]
+    ctx = new_context(model, EngineOptions(n_ctx=256, n_seq_max=1), 256)
+    batch = Batch(64)
+    try:
+        tokens = model.tokenize(PROMPT)
+        for pos, token in enumerate(tokens):
+            batch.add(token, pos, 0, True)
+        assert ll.llama_decode(ctx, batch.raw) == 0
+        views = LogitRows(model.n_vocab)
+        for row in range(len(tokens)):
+            want = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, row), shape=(model.n_vocab,))
+            got = views(ctx, row)
+            assert got.shape == (model.n_vocab,)
+            assert np.array_equal(got, want)
+            assert views(ctx, row) is got  # cached by address
+        before = views(ctx, 0).copy()
+        batch.clear()
+        batch.add(model.tokenize(" lighthouse")[0], len(tokens), 0, True)
+        assert ll.llama_decode(ctx, batch.raw) == 0
+        again = views(ctx, 0)
+        fresh = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, 0), shape=(model.n_vocab,))
+        assert np.array_equal(again, fresh)
+        assert not np.array_equal(again, before)
+    finally:
+        batch.free()
+        ll.llama_free(ctx)
+
+
+def test_logit_rows_refuse_a_row_without_logits(decoded: tuple[LlamaModel, Any, int]) -> None:
+    model, ctx, rows = decoded
+    with pytest.raises(RuntimeError, match="no logits"):
+        LogitRows(model.n_vocab)(ctx, rows + 5)
+
+
 def test_plain_greedy_takes_the_chains_token_without_the_chain(
     decoded: tuple[LlamaModel, Any, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -71,7 +110,7 @@ def test_plain_greedy_takes_the_chains_token_without_the_chain(
     fast = Sampler(model, GREEDY, 256)
     try:
         for row in range(rows):
-            logits = Sampler.logits_of(ctx, row, model.n_vocab).copy()
+            logits = LogitRows(model.n_vocab)(ctx, row).copy()
             assert fast.sample(ctx, row) == chain_greedy(logits)
             assert fast.sample_from(logits) == chain_greedy(logits)
     finally:

@@ -213,6 +213,13 @@ class Batch:
         self.capacity = capacity
         self.raw = ll.llama_batch_init(capacity, 0, 1)
         self.n = 0
+        # The arrays' pointers, read once: each `raw.<field>` read builds a new ctypes
+        # pointer object, and `add` runs for every token of every step.
+        raw = self.raw
+        self._token, self._pos, self._logits = raw.token, raw.pos, raw.logits
+        self._seq_ids = [raw.seq_id[i] for i in range(capacity)]
+        for i in range(capacity):
+            raw.n_seq_id[i] = 1  # one sequence per token, always
 
     def clear(self) -> None:
         self.n = 0
@@ -220,14 +227,13 @@ class Batch:
 
     def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
         """Append one token; returns its index in the batch."""
-        b, i = self.raw, self.n
-        b.token[i] = token
-        b.pos[i] = pos
-        b.n_seq_id[i] = 1
-        b.seq_id[i][0] = seq
-        b.logits[i] = logits
-        self.n += 1
-        b.n_tokens = self.n
+        i = self.n
+        self._token[i] = token
+        self._pos[i] = pos
+        self._seq_ids[i][0] = seq
+        self._logits[i] = logits
+        self.n = i + 1
+        self.raw.n_tokens = i + 1
         return i
 
     def seqs(self) -> list[int]:

@@ -50,7 +50,7 @@ from barrel.engine.errors import (
 from barrel.engine.kvcache import Slot, StateCache
 from barrel.engine.model import LlamaModel, ModelOptions
 from barrel.engine.run import Run
-from barrel.engine.sampler import Sampler
+from barrel.engine.sampler import LogitRows, Sampler
 from barrel.engine.slots import SlotManager
 from barrel.engine.speculate import NgramDrafter, align_drafts
 from barrel.engine.stream import Stream
@@ -222,6 +222,7 @@ class Engine:
             per_sequence=opts.kv_per_sequence and not opts.embedding,
         )
         self._batch = Batch(max(opts.n_batch, 1))
+        self._rows = LogitRows(model.n_vocab)  # views of the logits rows, shared by samplers
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -326,7 +327,7 @@ class Engine:
         self._check_media(req)
         # Built in the caller's thread (it needs the vocabulary only): a bad grammar fails
         # the request before it is queued.
-        sampler = Sampler(self.model, req.sampling, self.n_ctx)
+        sampler = Sampler(self.model, req.sampling, self.n_ctx, self._rows)
         rid = RequestId(next(self._ids))
         s = Stream(rid, to_loop, self.cancel, self._resume)
         with self._gate:
@@ -674,6 +675,7 @@ class Engine:
         for run in [r for r in self._active if r.cancelled]:
             self._finish(run, FinishReason.CANCELLED)
         entries = self._fill_batch()
+        elapsed = -1.0
         if entries or self._pin_entries:
             start = time.monotonic()
             entries = self._decode(entries)
@@ -694,8 +696,10 @@ class Engine:
                     if run.draft:
                         self._verify_draft(run, index, seq)
             self._advance_pins()
-            self.observer.step(self._batch.n, len(self._active), self.kv.kv_cells(), elapsed)
-        self.observer.occupancy(len(self._active), self.kv.kv_cells(), self.kv.busy_cells())
+        cells = self.kv.kv_cells()
+        if elapsed >= 0:
+            self.observer.step(self._batch.n, len(self._active), cells, elapsed)
+        self.observer.occupancy(len(self._active), cells, self.kv.busy_cells())
         self._flush()
 
     def _fill_batch(self) -> list[Entry]:
@@ -941,7 +945,7 @@ class Engine:
         """Keep the logits of the prompt's last token with the slot (a copy: the
         context's buffer is reused by the next decode)."""
         if run.slot is not None and not run.req.prompt_logprobs:
-            row = Sampler.logits_of(self.ctx, index, self.model.n_vocab)
+            row = self._rows(self.ctx, index)
             run.slot.prompt_logits = (tuple(run.req.prompt), row.copy())
 
     def _sample(self, run: Run, index: int, logits: np.ndarray | None = None) -> None:

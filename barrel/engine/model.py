@@ -1,7 +1,9 @@
 """A loaded GGUF model and its vocabulary, over llama.cpp's C API.
 
 Everything here is read-only after `load()` and safe from any thread: tokenizing and
-detokenizing use the vocabulary only, never a context. Users outside the engine hold the
+detokenizing use the vocabulary only, never a context. (A token's piece and whether it
+ends generation are looked up once and kept: a dict per model, filled from any thread,
+each entry written with the one value llama.cpp gives for it.) Users outside the engine hold the
 model (`retain` / `release`) while they use it: `free()` waits for the last of them, so
 an unload never frees the vocabulary under a tokenizer.
 """
@@ -135,6 +137,11 @@ class LlamaModel:
         self.recurrent: bool = bool(
             ll.llama_model_is_recurrent(handle) or ll.llama_model_is_hybrid(handle)
         )
+        # token -> its bytes (plain, special) and whether it ends generation: every
+        # generated token asks for both, and a Python dict lookup is a fraction of a
+        # ctypes call right after a decode (guides/performance.md)
+        self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
+        self._eog: dict[int, bool] = {}
         self._freed = False
         self._holds = 0
         self._free_pending = False
@@ -229,6 +236,15 @@ class LlamaModel:
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
         """The bytes of one token (possibly a partial UTF-8 sequence)."""
+        cache = self._pieces[special]
+        got = cache.get(token)
+        if got is None:
+            got = self._piece(token, special)
+            if 0 <= token < self.n_vocab:
+                cache[token] = got
+        return got
+
+    def _piece(self, token: int, special: bool) -> bytes:
         buf = ctypes.create_string_buffer(64)
         n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -242,7 +258,12 @@ class LlamaModel:
         )
 
     def is_eog(self, token: int) -> bool:
-        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+        got = self._eog.get(token)
+        if got is None:
+            got = bool(ll.llama_vocab_is_eog(self.vocab, token))
+            if 0 <= token < self.n_vocab:
+                self._eog[token] = got
+        return got
 
     def control_tokens(self, text: str) -> set[int]:
         """The control tokens inside `text` (those left out of output unless rendered

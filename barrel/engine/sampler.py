@@ -23,6 +23,37 @@ from barrel.engine.types import SamplingParams, TokenLogprob, TopLogprob
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 
 
+class LogitRows:
+    """Numpy views of a context's logits rows, cached by address.
+
+    A row's view made anew through `np.ctypeslib.as_array` cost 71 us in the daemon,
+    right after a decode, against 35 us for a lookup here (guides/performance.md). A
+    context's rows sit at the same few addresses step after step. A view is only the
+    address and `n_vocab`, and it is looked up only at an address llama.cpp has just
+    returned for a row, so a reused entry is always the row itself. Valid until the next
+    decode, like the row. Engine thread only.
+    """
+
+    LIMIT = 4096  # entries; a context reallocating its outputs leaves stale ones behind
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+        self._views: dict[int, np.ndarray] = {}
+
+    def __call__(self, ctx: ll.llama_context_p, index: int) -> np.ndarray:
+        """The logits of batch position `index`."""
+        addr = ctypes.cast(ll.llama_get_logits_ith(ctx, index), ctypes.c_void_p).value
+        if not addr:
+            raise RuntimeError(f"llama.cpp has no logits for batch position {index}")
+        view = self._views.get(addr)
+        if view is None:
+            if len(self._views) >= self.LIMIT:
+                self._views.clear()
+            row = (ctypes.c_float * self.n_vocab).from_address(addr)
+            view = self._views[addr] = np.ctypeslib.as_array(row)
+        return view
+
+
 @functools.lru_cache(maxsize=4)
 def _token_ids(n_vocab: int) -> np.ndarray:
     """0..n_vocab-1 (read-only): the ids of a vocabulary's token data array."""
@@ -32,10 +63,17 @@ def _token_ids(n_vocab: int) -> np.ndarray:
 
 
 class Sampler:
-    def __init__(self, model: LlamaModel, params: SamplingParams, n_ctx: int) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        params: SamplingParams,
+        n_ctx: int,
+        rows: LogitRows | None = None,
+    ) -> None:
         self.params = params
         self._n_ctx = n_ctx
         self._model = model
+        self._rows = rows if rows is not None else LogitRows(model.n_vocab)
         self._chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         self._keep: list[object] = []  # ctypes buffers the C side points into
         try:
@@ -146,7 +184,7 @@ class Sampler:
     def sample(self, ctx: ll.llama_context_p, index: int) -> int:
         """Sample from the logits of batch position `index` and accept the token."""
         if self._argmax:
-            return int(np.argmax(self.logits_of(ctx, index, self._model.n_vocab)))
+            return int(self._rows(ctx, index).argmax())
         return int(ll.llama_sampler_sample(self._chain, ctx, index))
 
     def sample_from(self, logits: np.ndarray) -> int:
@@ -168,16 +206,10 @@ class Sampler:
         ll.llama_sampler_accept(self._chain, token)
         return token
 
-    @staticmethod
-    def logits_of(ctx: ll.llama_context_p, index: int, n_vocab: int) -> np.ndarray:
-        """The logits of batch position `index` (a view into the context's buffer, valid
-        until the next decode)."""
-        return np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, index), shape=(n_vocab,))
-
     def logprobs(self, ctx: ll.llama_context_p, index: int, token: int) -> TokenLogprob:
         """Log-probabilities from the raw logits (before sampling transforms), as the
         OpenAI API reports them."""
-        return self.logprobs_from(self.logits_of(ctx, index, self._model.n_vocab), token)
+        return self.logprobs_from(self._rows(ctx, index), token)
 
     def logprobs_from(self, logits: np.ndarray, token: int) -> TokenLogprob:
         shifted = logits - logits.max()
