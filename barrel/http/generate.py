@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -138,7 +137,7 @@ def conversation_of(request: web.Request) -> str | None:
 
 
 def _line(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    return msgspec.json.encode(obj) + b"\n"  # as in barrel.http.sse
 
 
 async def with_images(request: web.Request, req: GenerateRequest) -> GenerateRequest:
