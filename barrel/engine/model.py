@@ -3,9 +3,9 @@
 Everything here is read-only after `load()` and safe from any thread: tokenizing and
 detokenizing use the vocabulary only, never a context. (A token's piece and whether it
 ends generation are looked up once and kept: a dict per model, filled from any thread,
-each entry written with the one value llama.cpp gives for it.) Users outside the engine hold the
-model (`retain` / `release`) while they use it: `free()` waits for the last of them, so
-an unload never frees the vocabulary under a tokenizer.
+each entry written with the one value llama.cpp gives for it.) Users outside the engine
+hold the model (`retain` / `release`) while they use it: `free()` waits for the last of
+them, so an unload never frees the vocabulary under a tokenizer.
 """
 
 from __future__ import annotations
