@@ -27,8 +27,7 @@ class SseWriter:
         # The lock only starts the response once. After that each write hands its whole
         # event to the transport before it can wait (for a drain), so events never mix;
         # the order of progress frames against the stream's own is `settle`'s.
-        resp = self.resp
-        if resp is None:
+        if self.resp is None:
             async with self._lock:
                 if self.resp is None:
                     resp = web.StreamResponse(
@@ -40,8 +39,7 @@ class SseWriter:
                     )
                     await resp.prepare(self.request)
                     self.resp = resp
-                resp = self.resp
-        await resp.write(chunk)
+        await self.resp.write(chunk)
 
     async def send(self, data: dict[str, Any], event: str | None = None) -> None:
         # msgspec: the compact UTF-8 JSON of json.dumps(separators=(",", ":"),
