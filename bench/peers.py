@@ -360,14 +360,26 @@ async def settle(pids: list[int], quiet: float = 0.5, limit: float = 30.0) -> No
 def compare(label: str, ours: list[float], theirs: list[float]) -> None:
     """One line: both medians, their ratio, the median of the rounds' own ratios (each
     round's two numbers were measured seconds apart, so the box's drift between rounds
-    cancels out of it), and each side's rounds."""
+    cancels out of it) with its bootstrap interval, and each side's rounds."""
     o, b = statistics.median(ours), statistics.median(theirs)
-    paired = statistics.median(x / y for x, y in zip(ours, theirs, strict=True))
+    ratios = [x / y for x, y in zip(ours, theirs, strict=True)]
+    low, high = interval(ratios)
     each = " / ".join(" ".join(f"{v:.0f}" for v in side) for side in (ours, theirs))
     print(
         f"{label:>22}: barrel {o:8.1f}  llama-server {b:8.1f}  ratio {o / b:.2f}x"
-        f"  paired {paired:.2f}x  (rounds: {each})"
+        f"  paired {statistics.median(ratios):.2f}x [{low:.2f}, {high:.2f}]  (rounds: {each})"
     )
+
+
+def interval(ratios: list[float], level: float = 0.9, draws: int = 2000) -> tuple[float, float]:
+    """The central `level` of the paired ratio's bootstrap distribution: the median of
+    the rounds drawn again with replacement, `draws` times (a fixed seed, so one run's
+    numbers print the same interval). Few rounds give a wide interval, which is the point:
+    a line whose interval straddles its threshold is not decided by that run."""
+    rnd = random.Random(0)
+    medians = sorted(statistics.median(rnd.choices(ratios, k=len(ratios))) for _ in range(draws))
+    cut = int(draws * (1 - level) / 2)
+    return medians[cut], medians[draws - 1 - cut]
 
 
 def main() -> None:
