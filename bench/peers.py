@@ -284,6 +284,7 @@ async def measure(args: argparse.Namespace) -> None:
     llama_server()  # build before timing anything
     timeout = aiohttp.ClientTimeout(total=900)
     results: dict[str, dict[str, list[float]]] = {}
+    layouts: dict[str, list[list[int]]] = {}  # llama-server's busy slots, each round
     with tempfile.TemporaryDirectory() as tmp:
         barrels = {
             f"barrel {v}": start_daemon(
@@ -318,7 +319,13 @@ async def measure(args: argparse.Namespace) -> None:
                         ]
                         for name, url in order if r % 2 == 0 else order[::-1]:
                             await settle(pids)
-                            value = await run(session, url, r)
+                            if name == "llama-server" and key in SPLIT_KEYS:
+                                task = asyncio.ensure_future(run(session, url, r))
+                                busy = await busy_slots(session, url, SPLIT_KEYS[key], task)
+                                layouts.setdefault(key, []).append(busy)
+                                value = await task
+                            else:
+                                value = await run(session, url, r)
                             results.setdefault(name, {}).setdefault(key, []).append(value)
         finally:
             for proc, _ in servers.values():
@@ -333,6 +340,38 @@ async def measure(args: argparse.Namespace) -> None:
         if "code-edit" in args.workloads:
             theirs = results["llama-server+ngram"]["code edit tok/s"]
             compare("code edit vs +ngram", ours["code edit tok/s"], theirs)
+    for key, rounds in layouts.items():
+        shown = "  ".join(f"{ids} ({micro_batches(ids)})" for ids in rounds)
+        print(f"llama-server's busy slots, {key.split(' tok/s')[0]} (micro-batches): {shown}")
+
+
+# Stream workloads whose llama-server slots are reported: with a KV stream per slot
+# llama.cpp decodes a step in one micro-batch for each run of consecutive slot ids, so
+# slots [2, 5, 6, 7] cost two passes over the weights a step, [4, 5, 6, 7] one. Which
+# slots it picks follows from what ran before; the report says which rounds split.
+SPLIT_KEYS = {"4 streams tok/s": 4, "8 streams tok/s": 8}
+
+
+def micro_batches(ids: list[int]) -> int:
+    """Runs of consecutive ids: the micro-batches of a step over these sequences."""
+    return sum(1 for i in ids if i - 1 not in ids)
+
+
+async def busy_slots(
+    session: aiohttp.ClientSession, url: str, want: int, task: asyncio.Future[float]
+) -> list[int]:
+    """llama-server's processing slots once `want` of them are (or the workload ended
+    first, or 10 s passed: then the last answer)."""
+    busy: list[int] = []
+    deadline = time.monotonic() + 10
+    while not task.done() and time.monotonic() < deadline:
+        async with session.get(url + "/slots") as resp:
+            slots = await resp.json() if resp.status == 200 else []
+        busy = sorted(int(slot["id"]) for slot in slots if slot.get("is_processing"))
+        if len(busy) >= want:
+            break
+        await asyncio.sleep(0.25)
+    return busy
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,10 +1,11 @@
-"""bench/peers' paired-ratio interval: what a run of rounds can and cannot decide."""
+"""bench/peers' statistics: the paired ratio's interval (what a run of rounds can and
+cannot decide) and the micro-batches of llama-server's busy slots."""
 
 from __future__ import annotations
 
 import statistics
 
-from bench.peers import interval
+from bench.peers import interval, micro_batches
 
 
 def test_rounds_that_agree_give_a_point() -> None:
@@ -29,3 +30,14 @@ def test_more_rounds_of_the_same_spread_narrow_it() -> None:
 def test_one_run_prints_one_interval() -> None:
     ratios = [0.9, 1.1, 1.0, 0.95]
     assert interval(ratios) == interval(list(ratios))
+
+
+def test_slots_in_one_run_of_ids_are_one_micro_batch() -> None:
+    assert micro_batches([4, 5, 6, 7]) == 1
+    assert micro_batches([0, 1, 2, 3, 4, 5, 6, 7]) == 1
+
+
+def test_a_gap_in_the_ids_costs_a_micro_batch() -> None:
+    assert micro_batches([2, 5, 6, 7]) == 2
+    assert micro_batches([0, 2, 4, 6]) == 4
+    assert micro_batches([]) == 0
