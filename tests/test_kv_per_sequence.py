@@ -153,3 +153,70 @@ async def test_a_conversation_moves_beside_the_running_sequences(model: LlamaMod
         assert list(done_b.tokens) == await cold(model, turn_b, 6)
     finally:
         await asyncio.to_thread(e.stop)
+
+
+async def test_a_gap_left_between_running_sequences_closes(model: LlamaModel) -> None:
+    """A sequence that finishes between two running ones leaves their ids in two runs,
+    so every later step would be two micro-batches: one running sequence moves into a
+    free slot beside the other (an empty one before a parked conversation), its cells
+    copied along, and both answers are what they are alone."""
+    e = Engine(model, options(n_seq_max=4, max_pins=0)).start()
+    try:
+        texts = {"a": "Once upon a time", "b": "def main():", "c": "The capital of France"}
+        prompts = {name: model.tokenize(text) for name, text in texts.items()}
+        lengths = {"a": 120, "b": 5, "c": 120}
+        done = await asyncio.gather(
+            *(
+                answer(e, prompts[n], lengths[n], ignore_eos=True, session=SessionId(n))
+                for n in texts
+            )
+        )
+        assert [len(d.tokens) for d in done] == [120, 5, 120]
+        assert e.gap_moves == 1
+        # b finished on sequence 1 while a (0) and c (2) ran on: a moved to 3, beside c
+        assert [s.session for s in e.kv.slots] == [None, "b", "c", "a"]
+        assert e.kv.slots[0].tokens == []
+        for name, d in zip(texts, done, strict=True):
+            alone = await cold(model, prompts[name], lengths[name])
+            if name != "b":
+                assert list(d.tokens) == alone
+        # a's conversation goes on from where it moved, its whole history reused
+        history = [*prompts["a"], *done[0].tokens]
+        turn = [*history, *model.tokenize(" The", add_special=False)]
+        again = await answer(e, turn, 6, session=SessionId("a"))
+        assert again.usage.prompt_reused >= len(history) - 1
+        assert list(again.tokens) == await cold(model, turn, 6)
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+async def test_a_gap_closes_over_a_parked_conversation_which_the_state_cache_keeps(
+    model: LlamaModel,
+) -> None:
+    """With no empty slot, the running sequence moves into the finished one's slot: that
+    conversation goes to the state cache first and its next turn reuses it from there."""
+    e = Engine(model, options(n_seq_max=3, max_pins=0)).start()
+    try:
+        texts = {"a": "Once upon a time", "b": "def main():", "c": "The capital of France"}
+        prompts = {name: model.tokenize(text) for name, text in texts.items()}
+        lengths = {"a": 120, "b": 5, "c": 120}
+        done = await asyncio.gather(
+            *(
+                answer(e, prompts[n], lengths[n], ignore_eos=True, session=SessionId(n))
+                for n in texts
+            )
+        )
+        assert e.gap_moves == 1
+        sessions = [s.session for s in e.kv.slots]
+        assert "b" not in sessions and sorted(s for s in sessions if s) == ["a", "c"]
+        for name in ("a", "c"):
+            assert list(done["abc".index(name)].tokens) == await cold(
+                model, prompts[name], lengths[name]
+            )
+        history = [*prompts["b"], *done[1].tokens]
+        turn = [*history, *model.tokenize(" pass", add_special=False)]
+        again = await answer(e, turn, 6, session=SessionId("b"))
+        assert again.usage.prompt_reused == len(history) - 1
+        assert list(again.tokens) == await cold(model, turn, 6)
+    finally:
+        await asyncio.to_thread(e.stop)

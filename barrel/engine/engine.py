@@ -51,7 +51,7 @@ from barrel.engine.kvcache import Slot, StateCache
 from barrel.engine.model import LlamaModel, ModelOptions
 from barrel.engine.run import Run
 from barrel.engine.sampler import LogitRows, Sampler
-from barrel.engine.slots import SlotManager
+from barrel.engine.slots import SlotManager, runs_of
 from barrel.engine.speculate import NgramDrafter, align_drafts
 from barrel.engine.stream import Stream
 from barrel.engine.types import Done, Event, FinishReason, GenerationRequest, RequestId
@@ -171,6 +171,12 @@ ABORTED = 2
 # (run, batch index of its logits or -1, tokens it put in the batch)
 Entry = tuple[Run, int, int]
 
+# Steps a gap between running sequences (a KV stream each) is left for a new request to
+# fill before a running sequence moves into it (`SlotManager.close_gap`): a request that
+# comes goes there at no cost, and the move copies a sequence's cells.
+GAP_STEPS = 2
+GAP_RETRY_STEPS = 64  # after a gap could not be closed
+
 
 class Engine:
     """One model, one context, one thread."""
@@ -247,6 +253,8 @@ class Engine:
         self._pin_entries: list[tuple[_PinJob, int]] = []
         self.crashed: BaseException | None = None
         self.steps = 0  # decode steps done
+        self._gap_steps = 0  # steps the running sequences' ids have not been one run
+        self.gap_moves = 0  # running sequences moved to join the others (engine thread)
         self.turn_steps = 0  # idle decodes of next-turn tokens (_continue_turns)
         self.turn_aborts = 0  # ... given up for a request that came meanwhile
         # Set by any thread that queues work: an idle decode under way stops at its next
@@ -674,6 +682,8 @@ class Engine:
     def _step(self) -> None:
         for run in [r for r in self._active if r.cancelled]:
             self._finish(run, FinishReason.CANCELLED)
+        if self.kv.per_sequence:
+            self._close_gap()
         entries = self._fill_batch()
         elapsed = -1.0
         if entries or self._pin_entries:
@@ -788,6 +798,32 @@ class Engine:
             # Only pins in this batch: llama_decode needs one output somewhere.
             b.raw.logits[b.n - 1] = True
         return entries
+
+    def _close_gap(self) -> None:
+        """Join the running sequences' ids into one run (one micro-batch a step) once a
+        gap among them has lasted GAP_STEPS steps. Not with a draft model, whose own
+        context keeps each sequence under its id. A parked conversation displaced with
+        its next turn queued loses only that idle prefill (the entry no longer matches
+        the slot); its next turn comes from the state cache."""
+        if self._drafter is not None or runs_of({r.slot.seq for r in self._active if r.slot}) <= 1:
+            self._gap_steps = 0
+            return
+        self._gap_steps += 1
+        if self._gap_steps < GAP_STEPS:
+            return
+        moved = self.kv.close_gap()
+        if moved is None:
+            self._gap_steps = -GAP_RETRY_STEPS  # no free slot joins them, or a copy failed
+            return
+        src, dst = moved
+        for run in self._active:
+            if run.slot is src:
+                run.slot = dst
+        self._gap_steps = 0
+        self.gap_moves += 1
+        logger.debug(
+            "engine %s: sequence %d moved to %d, beside the others", self.name, src.seq, dst.seq
+        )
 
     @staticmethod
     def _one_ubatch(planned: list[Run], chunks: list[tuple[Run, int]]) -> None:

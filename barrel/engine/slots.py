@@ -40,6 +40,12 @@ SAVE_MIN_TOKENS = 32
 PARKED_MAX_CELLS = 1024
 
 
+def runs_of(ids: set[int]) -> int:
+    """Runs of consecutive sequence ids: the micro-batches llama.cpp splits a step over
+    these sequences into when each has a KV stream of its own."""
+    return sum(1 for i in ids if i - 1 not in ids)
+
+
 class SlotManager:
     def __init__(
         self,
@@ -111,8 +117,7 @@ class SlotManager:
         running = {s.seq for s in self.slots if s.busy}
 
         def runs(seq: int) -> int:
-            ids = running | {seq}
-            return sum(1 for i in ids if i - 1 not in ids)
+            return runs_of(running | {seq})
 
         others = [
             s for s in self.free_slots() if s is not slot and (not s.tokens or self.cache.enabled)
@@ -132,6 +137,48 @@ class SlotManager:
             to.prompt_logits = slot.prompt_logits
             self._drop(slot)
         return to, lcp
+
+    def close_gap(self) -> tuple[Slot, Slot] | None:
+        """With a stream per sequence, a sequence that finishes between running ones
+        splits every later step into two micro-batches, each reading all the weights
+        (see `_beside_running`), until a request fills the gap. Moves one running
+        sequence into a free slot that joins the runs, its cells copied along
+        (`_copy_now`): into an empty slot if one will do, else into the least recently
+        used parked one, whose sequence goes to the state cache first (none without a
+        cache); of the sequences that could move, the one with the fewest tokens.
+        Returns (from, to), or None when no such move exists or a copy failed (then
+        nothing changed, but a parked sequence may have gone to the cache)."""
+        if not self.per_sequence:
+            return None
+        busy = [s for s in self.slots if s.busy]
+        running = {s.seq for s in busy}
+        now = runs_of(running)
+        if now <= 1:
+            return None
+        free = [s for s in self.free_slots() if not s.tokens or self.cache.enabled]
+        best: tuple[tuple[int, bool, float, int], Slot, Slot] | None = None
+        for src in busy:
+            for dst in free:
+                runs = runs_of((running - {src.seq}) | {dst.seq})
+                key = (runs, bool(dst.tokens), dst.last_used, len(src.tokens))
+                if runs < now and (best is None or key < best[0]):
+                    best = (key, src, dst)
+        if best is None:
+            return None
+        _, src, dst = best
+        if dst.tokens:
+            if not self.save(dst):
+                return None
+            self._drop(dst)
+        if not self._copy_now(src, dst):
+            return None
+        dst.tokens, dst.session, dst.scope = src.tokens, src.session, src.scope
+        dst.prompt_logits = src.prompt_logits
+        dst.busy = True
+        dst.touch()
+        self._drop(src)
+        src.busy = False
+        return src, dst
 
     def _choose(
         self, prompt: list[int], session: str | None, scope: str
