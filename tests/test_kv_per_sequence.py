@@ -155,6 +155,25 @@ async def test_a_conversation_moves_beside_the_running_sequences(model: LlamaMod
         await asyncio.to_thread(e.stop)
 
 
+GAP_TEXTS = {"a": "Once upon a time", "b": "def main():", "c": "The capital of France"}
+GAP_LENGTHS = {"a": 120, "b": 5, "c": 120}
+
+
+async def short_between_long(
+    e: Engine, model: LlamaModel
+) -> tuple[dict[str, list[int]], list[Done]]:
+    """Three greedy answers started together on sequences 0, 1 and 2 (sessions a, b, c):
+    b's is short, so it ends between two running ones. Their prompts and results."""
+    prompts = {name: model.tokenize(text) for name, text in GAP_TEXTS.items()}
+    done = await asyncio.gather(
+        *(
+            answer(e, prompts[n], GAP_LENGTHS[n], ignore_eos=True, session=SessionId(n))
+            for n in GAP_TEXTS
+        )
+    )
+    return prompts, list(done)
+
+
 async def test_a_gap_left_between_running_sequences_closes(model: LlamaModel) -> None:
     """A sequence that finishes between two running ones leaves their ids in two runs,
     so every later step would be two micro-batches: one running sequence moves into a
@@ -162,22 +181,14 @@ async def test_a_gap_left_between_running_sequences_closes(model: LlamaModel) ->
     copied along, and both answers are what they are alone."""
     e = Engine(model, options(n_seq_max=4, max_pins=0)).start()
     try:
-        texts = {"a": "Once upon a time", "b": "def main():", "c": "The capital of France"}
-        prompts = {name: model.tokenize(text) for name, text in texts.items()}
-        lengths = {"a": 120, "b": 5, "c": 120}
-        done = await asyncio.gather(
-            *(
-                answer(e, prompts[n], lengths[n], ignore_eos=True, session=SessionId(n))
-                for n in texts
-            )
-        )
+        prompts, done = await short_between_long(e, model)
         assert [len(d.tokens) for d in done] == [120, 5, 120]
         assert e.gap_moves == 1
         # b finished on sequence 1 while a (0) and c (2) ran on: a moved to 3, beside c
         assert [s.session for s in e.kv.slots] == [None, "b", "c", "a"]
         assert e.kv.slots[0].tokens == []
-        for name, d in zip(texts, done, strict=True):
-            alone = await cold(model, prompts[name], lengths[name])
+        for name, d in zip(prompts, done, strict=True):
+            alone = await cold(model, prompts[name], GAP_LENGTHS[name])
             if name != "b":
                 assert list(d.tokens) == alone
         # a's conversation goes on from where it moved, its whole history reused
@@ -197,22 +208,14 @@ async def test_a_gap_closes_over_a_parked_conversation_which_the_state_cache_kee
     conversation goes to the state cache first and its next turn reuses it from there."""
     e = Engine(model, options(n_seq_max=3, max_pins=0)).start()
     try:
-        texts = {"a": "Once upon a time", "b": "def main():", "c": "The capital of France"}
-        prompts = {name: model.tokenize(text) for name, text in texts.items()}
-        lengths = {"a": 120, "b": 5, "c": 120}
-        done = await asyncio.gather(
-            *(
-                answer(e, prompts[n], lengths[n], ignore_eos=True, session=SessionId(n))
-                for n in texts
-            )
-        )
+        prompts, done = await short_between_long(e, model)
         assert e.gap_moves == 1
         sessions = [s.session for s in e.kv.slots]
         assert "b" not in sessions
         assert sorted(s for s in sessions if s) == ["a", "c"]
         for name in ("a", "c"):
             assert list(done["abc".index(name)].tokens) == await cold(
-                model, prompts[name], lengths[name]
+                model, prompts[name], GAP_LENGTHS[name]
             )
         history = [*prompts["b"], *done[1].tokens]
         turn = [*history, *model.tokenize(" pass", add_special=False)]
