@@ -59,9 +59,13 @@ VARIANTS = {
     "extra-buffers": "extra_buffers = true",  # CPU repack weight buffers, as llama-server
     "extra-buffers-flash-on": 'extra_buffers = true\nflash_attn = "on"',
     "tiled": "",  # ggml's tiled K-quant matmul on (llama.cpp's default), see VARIANT_ENV
+    "extra-buffers-tiled": "extra_buffers = true",  # both prefill kernels llama-server has
 }
 # ... and the environment of each, where it differs
-VARIANT_ENV = {"tiled": {TILED_MATMUL_ENV: "1"}}
+VARIANT_ENV = {
+    "tiled": {TILED_MATMUL_ENV: "1"},
+    "extra-buffers-tiled": {TILED_MATMUL_ENV: "1"},
+}
 FILE = "\n\n".join(
     f'''def shape_{i}(width, height):
     """Area and perimeter of rectangle number {i}."""
