@@ -196,6 +196,36 @@ async def test_turn_headers_go_in_sequence_order_for_one_micro_batch_a_stream_ea
         await asyncio.to_thread(e.stop)
 
 
+async def test_a_slot_reused_by_another_conversation_of_the_same_length_is_left_alone(
+    model: LlamaModel,
+) -> None:
+    """A finished conversation's slot taken by another request before its turn header
+    was decoded, and left just as long (that request queues no header of its own: a
+    completion, not a chat): the first conversation's header does not go into it."""
+    opts = EngineOptions(n_ctx=2048, n_seq_max=1, next_turn_delay_s=2.0)
+    e = Engine(model, opts).start()
+    try:
+        turn = model.tokenize("<|im_end|>\n<|im_start|>user\n", add_special=False)
+        head = model.tokenize("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
+        chat = GenerationRequest(head, GREEDY, max_tokens=6, ignore_eos=True, next_turn=tuple(turn))
+        await e.submit(chat).collect()
+        other = [head[1], *head[1:]]  # as long as the chat's prompt, another conversation
+        assert len(other) == len(head)
+        assert other != head
+        _, done = await e.submit(
+            GenerationRequest(other, GREEDY, max_tokens=6, ignore_eos=True)
+        ).collect()
+        (slot,) = e.kv.slots
+        held = [*other, *done.tokens[:-1]]
+        assert slot.tokens == held  # as long as the chat's conversation was
+        await _until(lambda: e.turn_steps + e.turns_dropped > 0)  # the header taken up
+        assert e.turns_dropped == 1
+        assert e.turn_steps == 0
+        assert slot.tokens == held
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
 class _Held(Engine):
     """An engine whose first idle decode pauses inside llama.cpp, at its abort callback
     after the first node of the graph, until the test has queued a request: a request

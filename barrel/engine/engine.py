@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import llama_cpp as ll
 import numpy as np
@@ -144,6 +144,29 @@ class _PinJob:
     n_past: int = 0
 
 
+class _Turn(NamedTuple):
+    """A finished conversation's next-turn tokens, to decode into its slot once idle.
+    The slot may meanwhile be reused, or take a moved sequence, and end up as long as
+    it was: the last tokens it held tell whether it still holds this conversation."""
+
+    slot: Slot
+    length: int  # the slot's tokens when the answer ended
+    ended: tuple[int, ...]  # the last TURN_TAIL of them
+    tokens: list[int]
+    when: float  # time.monotonic() from which they may be decoded
+
+    @staticmethod
+    def tail(slot: Slot) -> tuple[int, ...]:
+        return tuple(slot.tokens[-TURN_TAIL:])
+
+    def holds(self, slot: Slot) -> bool:
+        return len(slot.tokens) == self.length and _Turn.tail(slot) == self.ended
+
+
+# How many of a finished conversation's last tokens tell it from another of its length
+TURN_TAIL = 32
+
+
 @dataclass(frozen=True)
 class _Fault:
     error: BaseException
@@ -248,8 +271,8 @@ class Engine:
         self._dirty: dict[RequestId, Run] = {}  # runs with events to deliver this step
         self._pinning: list[_PinJob] = []
         # finished sequences to extend with their template's next-turn tokens once idle
-        # for next_turn_delay_s: (slot, its length when the answer ended, tokens, when)
-        self._turns: deque[tuple[Slot, int, list[int], float]] = deque(maxlen=opts.n_seq_max)
+        # for next_turn_delay_s
+        self._turns: deque[_Turn] = deque(maxlen=opts.n_seq_max)
         self._pin_entries: list[tuple[_PinJob, int]] = []
         self.crashed: BaseException | None = None
         self.steps = 0  # decode steps done
@@ -257,6 +280,7 @@ class Engine:
         self.gap_moves = 0  # running sequences moved to join the others (engine thread)
         self.turn_steps = 0  # idle decodes of next-turn tokens (_continue_turns)
         self.turn_aborts = 0  # ... given up for a request that came meanwhile
+        self.turns_dropped = 0  # ... not decoded: their slot was taken, changed or full
         # Set by any thread that queues work: an idle decode under way stops at its next
         # graph node (llama.cpp's abort callback, armed only for idle decodes).
         self._interrupt = False
@@ -520,7 +544,7 @@ class Engine:
         long to block for commands meanwhile)."""
         if not self._turns:
             return 1.0
-        return max(0.0, min(1.0, self._turns[-1][3] - time.monotonic()))
+        return max(0.0, min(1.0, self._turns[-1].when - time.monotonic()))
 
     def _has_work(self) -> bool:
         if self._pinning or (self._waiting and self.kv.free_slots()):
@@ -1043,7 +1067,7 @@ class Engine:
         last = run.generated[-1]
         tokens = ([] if self.model.is_eog(last) else [last]) + list(req.next_turn)
         when = time.monotonic() + self.options.next_turn_delay_s
-        self._turns.append((slot, len(slot.tokens), tokens, when))
+        self._turns.append(_Turn(slot, len(slot.tokens), _Turn.tail(slot), tokens, when))
 
     def _continue_turns(self) -> None:
         """Idle: decode the finished sequences' next-turn tokens into them, all in one
@@ -1065,16 +1089,18 @@ class Engine:
         b.clear()
         taken: list[tuple[Slot, int, list[int]]] = []
         room = b.capacity
-        for slot, length, tokens, _ in reversed(turns):
-            if slot.busy or len(slot.tokens) != length or length + len(tokens) >= self.n_ctx:
-                continue  # taken, changed (an older entry of a reused slot) or full
+        for turn in reversed(turns):
+            slot, length, tokens = turn.slot, turn.length, turn.tokens
+            if slot.busy or not turn.holds(slot) or length + len(tokens) >= self.n_ctx:
+                continue  # taken, changed (a reused or moved slot) or full
             if any(slot is s for s, _, _ in taken) or len(tokens) > room:
                 continue
             taken.append((slot, length, tokens))
             room -= len(tokens)
         if not taken:
+            self.turns_dropped += len(turns)
             return
-        taken.sort(key=lambda turn: turn[0].seq)
+        taken.sort(key=lambda t: t[0].seq)
         for slot, length, tokens in taken:
             for j, token in enumerate(tokens):
                 b.add(token, length + j, slot.seq, False)
@@ -1091,6 +1117,7 @@ class Engine:
                 self._turns.extendleft(reversed(turns))
             return
         self.turn_steps += 1
+        self.turns_dropped += len(turns) - len(taken)
         for slot, _, tokens in taken:
             slot.tokens.extend(tokens)
             self.observer.next_turn(len(tokens))
