@@ -9,6 +9,7 @@ move a draw across a boundary; greedy output is what the tests pin."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from barrel.engine.model import LlamaModel
 from barrel.engine.speculate import ALIGN, NgramDrafter, align_drafts
 from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
 from barrel.metrics import Metrics
+from bench.drafts import replay
 
 GREEDY = SamplingParams(temperature=0)
 CODE = '''def area(width, height):
@@ -252,3 +254,43 @@ async def test_rejected_drafts_leave_no_cells_behind(qwen: LlamaModel) -> None:
         assert again.usage.prompt_reused == len(prompt) + len(done.tokens) - 1
     finally:
         await asyncio.to_thread(e.stop)
+
+
+class _Drafts(_NoObserver):
+    """Every verified draft, in order: (draft tokens, kept)."""
+
+    def __init__(self) -> None:
+        self.drafts: list[tuple[int, int]] = []
+
+    def drafted(self, drafted: int, accepted: int) -> None:
+        self.drafts.append((drafted, accepted))
+
+
+@pytest.mark.parametrize("which", ["tiny", "qwen"])
+async def test_bench_drafts_replays_the_engine_s_drafts_exactly(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    """bench/drafts.py estimates drafting policies by replaying a recorded greedy answer;
+    its replay must draft, trim and keep as the engine did for that answer."""
+    model: LlamaModel = request.getfixturevalue(which)
+    opts = EngineOptions(n_ctx=2048, n_seq_max=1, speculation="ngram", state_cache_bytes=0)
+    sampling = GREEDY
+    if which == "tiny":  # a biased walk over three tokens: short n-grams, drafts kept or not
+        walk = model.tokenize(" red green blue", add_special=False)
+        sampling = SamplingParams(temperature=0, logit_bias={t: 30.0 for t in walk})
+        opts = dataclasses.replace(opts, draft_ngram=3)
+    prompt = _prompts(model, chat=which == "qwen")[0]
+    observer = _Drafts()
+    e = Engine(model, opts, observer=observer).start()
+    try:
+        request_ = GenerationRequest(prompt, max_tokens=120, sampling=sampling)
+        _, done = await e.submit(request_).collect()
+    finally:
+        await asyncio.to_thread(e.stop)
+    drafter = NgramDrafter(list(prompt), opts.draft_ngram, opts.draft_max)
+    steps = replay(prompt, list(done.tokens), drafter, 120, n_ctx=2048)
+    assert [s for s in steps if s[0]] == observer.drafts
+    assert any(kept for _, kept in observer.drafts)  # drafts were kept ...
+    assert len(steps) < len(done.tokens) - 1  # ... so fewer steps than tokens
+    if which == "tiny":
+        assert any(kept < drafted for drafted, kept in observer.drafts)  # and some missed
