@@ -65,6 +65,7 @@ WORKLOADS = {
     "sql": "Write a SQL query joining users and orders on user_id, returning each user's "
     "name and total order amount, sorted by amount.",
     "list": "Count from one to forty in words, one per line, numbered like '1. One'.",
+    "numbers": "Client 0: write the numbers 1 to 200 in words.",  # bench/peers' streams
 }
 
 
