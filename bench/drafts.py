@@ -28,6 +28,8 @@ import importlib
 import statistics
 from collections.abc import Callable
 
+import llama_cpp as ll
+
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
@@ -119,9 +121,13 @@ def step_costs(model: LlamaModel, context: int, largest: int, reps: int) -> dict
     args = argparse.Namespace(streams=[], extra=["off"], models=[], context=context, parked=0)
     variant = Variant(model, "auto", "f16", "split", args)
     sizes = [1, *range(ALIGN, largest + 1, ALIGN)]
-    for _ in range(reps):
-        for n in sizes:
-            variant.step(n, context, last_only=False)
+    try:
+        for _ in range(reps):
+            for n in sizes:
+                variant.step(n, context, last_only=False)
+    finally:
+        variant.batch.free()
+        ll.llama_free(variant.ctx)
     return {n: statistics.median(variant.times[str(n)]) for n in sizes}
 
 
