@@ -1087,40 +1087,40 @@ class Engine:
         self._turns.clear()
         b = self._batch
         b.clear()
-        taken: list[tuple[Slot, int, list[int]]] = []
+        taken: list[_Turn] = []
         room = b.capacity
         for turn in reversed(turns):
-            slot, length, tokens = turn.slot, turn.length, turn.tokens
-            if slot.busy or not turn.holds(slot) or length + len(tokens) >= self.n_ctx:
+            slot, tokens = turn.slot, turn.tokens
+            if slot.busy or not turn.holds(slot) or turn.length + len(tokens) >= self.n_ctx:
                 continue  # taken, changed (a reused or moved slot) or full
-            if any(slot is s for s, _, _ in taken) or len(tokens) > room:
+            if any(slot is t.slot for t in taken) or len(tokens) > room:
                 continue
-            taken.append((slot, length, tokens))
+            taken.append(turn)
             room -= len(tokens)
         if not taken:
             self.turns_dropped += len(turns)
             return
-        taken.sort(key=lambda t: t[0].seq)
-        for slot, length, tokens in taken:
-            for j, token in enumerate(tokens):
-                b.add(token, length + j, slot.seq, False)
+        taken.sort(key=lambda t: t.slot.seq)
+        for t in taken:
+            for j, token in enumerate(t.tokens):
+                b.add(token, t.length + j, t.slot.seq, False)
         b.raw.logits[b.n - 1] = True  # llama_decode wants one output
         if self._lora_now != self._lora_default:
             set_lora_scales(self.ctx, self._loras, self._lora_default)
             self._lora_now = self._lora_default
         status = self._decode_idle()
         if status != 0:
-            for slot, length, _ in taken:
-                ll.llama_memory_seq_rm(self.kv.mem, slot.seq, length, -1)
+            for t in taken:
+                ll.llama_memory_seq_rm(self.kv.mem, t.slot.seq, t.length, -1)
             if status == ABORTED:  # a request came: try again when idle next time
                 self.turn_aborts += 1
                 self._turns.extendleft(reversed(turns))
             return
         self.turn_steps += 1
         self.turns_dropped += len(turns) - len(taken)
-        for slot, _, tokens in taken:
-            slot.tokens.extend(tokens)
-            self.observer.next_turn(len(tokens))
+        for t in taken:
+            t.slot.tokens.extend(t.tokens)
+            self.observer.next_turn(len(t.tokens))
 
     def _decode_idle(self) -> int:
         """`llama_decode` of the batch as idle work: it gives way to work queued before
