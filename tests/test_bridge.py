@@ -85,3 +85,4 @@ async def test_actor_stopping_with_a_call_queued_answers_unavailable() -> None:
     assert await busy == "unblocked"
     with pytest.raises(Unavailable, match="stopped before answering"):
         await queued
+    assert bridge.IN_FLIGHT.left(ref.actor_urn) == []  # nothing kept of a stopped actor

@@ -7,12 +7,15 @@ caller's loop (`call`), or a thread future (`call_sync`). `await pykka_future` w
 the loop (pykka issue #99) and parking a pool thread on `.get()` wastes a thread per call,
 so neither is used. Every call has a timeout and raises `CallTimeout` naming the target
 when it expires; a late answer is dropped. A call to an actor that is gone, or that stops
-with the call still queued, raises `Unavailable`.
+with the call still queued, raises `Unavailable`: every call is noted in `IN_FLIGHT`
+until the actor takes it up, so an actor that stops answers those it leaves (`Child`)
+without reading pykka's inbox.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -64,14 +67,49 @@ class _ThreadAnswer:
             pass
 
 
+class InFlight:
+    """The calls sent to each actor (by its urn) and not yet taken up. Any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[str, dict[int, Call]] = {}
+
+    def add(self, urn: str, call: Call) -> None:
+        with self._lock:
+            self._calls.setdefault(urn, {})[id(call)] = call
+
+    def take(self, urn: str, call: Call) -> None:
+        """The actor took `call` up (or it was never delivered)."""
+        with self._lock:
+            calls = self._calls.get(urn)
+            if calls is not None:
+                calls.pop(id(call), None)
+                if not calls:
+                    del self._calls[urn]
+
+    def left(self, urn: str) -> list[Call]:
+        """The calls an actor that stops leaves unanswered; forgotten here."""
+        with self._lock:
+            return list(self._calls.pop(urn, {}).values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(c) for c in self._calls.values())
+
+
+IN_FLIGHT = InFlight()
+
+
 def _what(ref: pykka.ActorRef[Any], method: Callable[..., Any]) -> str:
     return f"{ref.actor_class.__name__}.{method.__name__}"
 
 
 def _send(ref: pykka.ActorRef[Any], call: Call, what: str) -> None:
+    IN_FLIGHT.add(ref.actor_urn, call)
     try:
         ref.tell(call)
     except pykka.ActorDeadError:
+        IN_FLIGHT.take(ref.actor_urn, call)
         raise Unavailable(f"{what} is not running", retry_after=1.0) from None
 
 
@@ -113,6 +151,6 @@ def call_sync(
 
 
 def dead_letter(message: Any, what: str) -> None:
-    """A call left in the inbox of an actor that stopped: its caller hears so now."""
+    """A call left to an actor that stopped: its caller hears so now."""
     if isinstance(message, Call) and message.answer is not None:
         message.answer.reject(Unavailable(f"{what} stopped before answering", retry_after=1.0))

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import pykka
 
-from barrel.actors.bridge import Call, dead_letter
+from barrel.actors.bridge import IN_FLIGHT, Call, dead_letter
 from barrel.errors import BarrelError
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class Child(pykka.ThreadingActor):
         return super().on_receive(message)
 
     def _answer(self, call: Call) -> None:
+        IN_FLIGHT.take(self.actor_urn, call)
         answer = call.answer
         try:
             result = getattr(self, call.method)(*call.args, **call.kwargs)
@@ -139,18 +140,10 @@ class Child(pykka.ThreadingActor):
             answer.resolve(result)
 
     def _drain_calls(self) -> None:
-        """Answer the calls still queued (their callers would wait for their timeout);
-        put every other message back for pykka's own teardown."""
-        others = []
-        while not self.actor_inbox.empty():  # this thread is the inbox's only reader
-            envelope = self.actor_inbox.get()
-            message = getattr(envelope, "message", None)
-            if isinstance(message, Call):
-                dead_letter(message, f"{type(self).__name__}.{message.method}")
-            else:
-                others.append(envelope)
-        for envelope in others:
-            self.actor_inbox.put(envelope)
+        """Answer the calls still queued: their callers would wait for their timeout.
+        (Those are known from bridge.IN_FLIGHT; pykka's inbox is its own business.)"""
+        for call in IN_FLIGHT.left(self.actor_urn):
+            dead_letter(call, f"{type(self).__name__}.{call.method}")
 
     def _exit(self, reason: Exit) -> None:
         if self._exited:
