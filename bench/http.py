@@ -35,7 +35,8 @@ from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import Delta, Done, GenerationRequest, SamplingParams, SessionId
 from barrel.pipeline.chat import ChatRequest, make_template, prepare
-from barrel.pipeline.sampling import Dialect, effective, sampling_params
+from barrel.pipeline.request import Dialect
+from barrel.pipeline.sampling import effective, sampling_params
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.toolcalls import detect_family
 from barrel.store import bundled

@@ -10,53 +10,44 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import msgspec
 import pytest
 
+from barrel.config import LimitsConfig
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import SamplingParams
 from barrel.errors import InvalidRequest
-from barrel.pipeline.chat import (
-    ChatRequest,
-    Finished,
-    ReasoningDelta,
-    TextDelta,
-    ToolCallEvent,
-    prepare,
-    run,
-)
+from barrel.pipeline import generate
+from barrel.pipeline.chat import ChatRequest, prepare, run, template_tools
+from barrel.pipeline.events import Finished, ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.request import Dialect, Format, GenerateRequest, Tool, ToolChoice, text
 from barrel.pipeline.templates import ChatTemplate
 from barrel.pipeline.toolcalls import detect_family
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
+WEATHER = Tool(
+    "get_weather",
+    "Get the current weather in a city",
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
         },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
     },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 10}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
+)
+TIME = Tool(
+    "get_time",
+    parameters={
+        "type": "object",
+        "properties": {"zone": {"type": "string", "maxLength": 10}},
+        "required": ["zone"],
+        "additionalProperties": False,
     },
-}
+)
 
 
 class Setup:
@@ -100,8 +91,8 @@ async def test_required_tool_choice_gives_schema_valid_calls_for_20_seeds(tiny: 
     async def one(seed: int) -> list[Any]:
         req = ChatRequest(
             user("Weather?"),
-            tools=[WEATHER],
-            tool_choice="required",
+            tools=(WEATHER,),
+            tool_choice=ToolChoice("required"),
             sampling=SamplingParams(temperature=1.0, seed=seed),
             max_tokens=200,
         )
@@ -112,7 +103,7 @@ async def test_required_tool_choice_gives_schema_valid_calls_for_20_seeds(tiny: 
         calls = [e for e in events if isinstance(e, ToolCallEvent)]
         assert len(calls) == 1, events
         assert calls[0].name == "get_weather"
-        jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER.parameters)
         assert isinstance(events[-1], Finished)
         assert events[-1].reason == "tool_calls"
     assert len({e[0].arguments for e in results if isinstance(e[0], ToolCallEvent)}) > 1
@@ -121,14 +112,14 @@ async def test_required_tool_choice_gives_schema_valid_calls_for_20_seeds(tiny: 
 async def test_a_named_tool_is_the_one_called(tiny: Setup) -> None:
     req = ChatRequest(
         user("Time?"),
-        tools=[WEATHER, TIME],
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        tools=(WEATHER, TIME),
+        tool_choice=ToolChoice("function", "get_time"),
         sampling=SamplingParams(temperature=1.0, seed=3),
         max_tokens=200,
     )
     calls = [e for e in await tiny.chat(req) if isinstance(e, ToolCallEvent)]
     assert [c.name for c in calls] == ["get_time"]
-    jsonschema.validate(json.loads(calls[0].arguments), TIME["function"]["parameters"])
+    jsonschema.validate(json.loads(calls[0].arguments), TIME.parameters)
 
 
 SCHEMA = {
@@ -142,7 +133,7 @@ SCHEMA = {
 async def test_structured_output_with_thinking(tiny: Setup) -> None:
     req = ChatRequest(
         user("Rate this."),
-        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+        format=Format("json_schema", SCHEMA),
         thinking=True,
         reasoning_budget=16,
         sampling=SamplingParams(temperature=0.8, seed=11),
@@ -163,7 +154,7 @@ async def test_structured_output_with_thinking(tiny: Setup) -> None:
 async def test_structured_output_without_thinking(tiny: Setup) -> None:
     req = ChatRequest(
         user("Rate this."),
-        response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+        format=Format("json_schema", SCHEMA),
         sampling=SamplingParams(temperature=0.8, seed=5),
         max_tokens=200,
     )
@@ -172,34 +163,37 @@ async def test_structured_output_without_thinking(tiny: Setup) -> None:
     jsonschema.validate(json.loads(content), SCHEMA)
 
 
-def test_bad_requests_are_refused_before_generation(tiny_path: Path) -> None:
-    template = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
-    fam = detect_family("")
+def test_bad_requests_are_refused_before_generation() -> None:
+    """The neutral rules hold for every dialect, before any lease (generate.check)."""
+    ask = GenerateRequest(model="m", dialect=Dialect.OPENAI, messages=(text("user", "x"),))
     for req, message in [
         (
-            ChatRequest(user("x"), tools=[WEATHER], tool_choice={"function": {"name": "nope"}}),
+            msgspec.structs.replace(
+                ask, tools=(WEATHER,), tool_choice=ToolChoice("function", "nope")
+            ),
             "not among",
         ),
-        (ChatRequest(user("x"), tools=[WEATHER], tool_choice="sometimes"), "tool_choice"),
         (
-            ChatRequest(
-                user("x"),
-                tools=[WEATHER],
-                tool_choice="required",
-                response_format={"type": "json_object"},
+            msgspec.structs.replace(
+                ask,
+                tools=(WEATHER,),
+                tool_choice=ToolChoice("required"),
+                format=Format("json_object"),
             ),
             "cannot be combined",
         ),
-        (ChatRequest(user("x"), response_format={"type": "yaml"}), "unknown response_format"),
-        (
-            ChatRequest(
-                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-            ),
-            "text only",
-        ),
     ]:
         with pytest.raises(InvalidRequest, match=message):
-            prepare(req, template, lambda t: [1], fam)
+            generate.check(req, LimitsConfig())
+
+
+def test_dialect_shaped_image_parts_are_refused_by_prepare() -> None:
+    template = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    req = ChatRequest(
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    )
+    with pytest.raises(InvalidRequest, match="text only"):
+        prepare(req, template, lambda t: [1], detect_family(""))
 
 
 @pytest.fixture
@@ -211,11 +205,10 @@ async def qwen(qwen_path: Path) -> AsyncIterator[Setup]:
 @pytest.mark.real_model
 async def test_qwen_calls_the_weather_tool_for_paris(qwen: Setup) -> None:
     assert qwen.family.name == "hermes"
-    tool = json.loads(json.dumps(WEATHER))
-    tool["function"]["parameters"]["required"] = ["city"]
+    tool = Tool(WEATHER.name, WEATHER.description, {**WEATHER.parameters, "required": ["city"]})
     req = ChatRequest(
         user("What is the weather in Paris?"),
-        tools=[tool],
+        tools=(tool,),
         sampling=SamplingParams(temperature=0.0),
         max_tokens=96,
     )
@@ -234,13 +227,15 @@ async def test_the_system_and_tools_head_is_pinned_and_timed(tiny: Setup) -> Non
     system = {"role": "system", "content": "You are a meticulous weather assistant. " * 8}
     prompts = []
     for question in ("Weather in Oslo?", "Weather in Lima?"):
-        req = ChatRequest([system, *user(question)], tools=[WEATHER], max_tokens=4)
+        req = ChatRequest([system, *user(question)], tools=(WEATHER,), max_tokens=4)
         prep = prepare(req, tiny.template, tiny.model.tokenize, tiny.family)
         assert prep.static_prefix >= 64
         assert (
             prep.prompt[: prep.static_prefix]
             == tiny.model.tokenize(
-                tiny.template.render([system], [WEATHER], add_generation_prompt=False)
+                tiny.template.render(
+                    [system], template_tools((WEATHER,)), add_generation_prompt=False
+                )
             )[: prep.static_prefix]
         )
         events = [e async for e in run(tiny.engine, req, prep, metrics.pipeline_timings)]
@@ -256,7 +251,7 @@ async def test_the_system_and_tools_head_is_pinned_and_timed(tiny: Setup) -> Non
 async def test_tool_mode_grammar_forces_calls_even_on_auto(tiny: Setup) -> None:
     req = ChatRequest(
         user("Hello"),
-        tools=[WEATHER],
+        tools=(WEATHER,),
         tool_mode="grammar",
         sampling=SamplingParams(temperature=1.0, seed=2),
         max_tokens=200,
@@ -276,7 +271,7 @@ def test_the_family_markers_that_are_control_tokens_are_preserved(tiny: Setup) -
     harmony_like = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
     from barrel.pipeline.toolcalls import family
 
-    req = ChatRequest(user("x"), tools=[WEATHER])
+    req = ChatRequest(user("x"), tools=(WEATHER,))
     prep = prepare(
         req, harmony_like, tiny.model.tokenize, family("hermes"), tiny.model.control_tokens
     )
@@ -327,14 +322,14 @@ def test_the_head_is_rendered_once_per_conversation(tiny: Setup) -> None:
     template.render = counting  # type: ignore[method-assign]
     firsts = []
     for question in ("Weather in Oslo?", "Weather in Lima?", "Weather in Oslo?"):
-        req = ChatRequest([system, *user(question)], tools=[WEATHER], max_tokens=4)
+        req = ChatRequest([system, *user(question)], tools=(WEATHER,), max_tokens=4)
         prep = prepare(req, template, tiny.model.tokenize, tiny.family)
         firsts.append(prep.static_prefix)
     assert renders == [2, 1, 2, 2]  # the head (1 message) once, then whole prompts only
     assert firsts[0] == firsts[1] == firsts[2] >= 64
     other = {"role": "system", "content": "You forecast the tides. " * 8}
     prep = prepare(
-        ChatRequest([other, *user("Hi")], tools=[WEATHER]),
+        ChatRequest([other, *user("Hi")], tools=(WEATHER,)),
         template,
         tiny.model.tokenize,
         tiny.family,

@@ -4,6 +4,8 @@ import which, and no reaching into pykka's private parts."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pykka
@@ -97,3 +99,123 @@ def test_no_module_uses_pykka_private_names_or_overrides_its_private_methods() -
                     if isinstance(item, ast.FunctionDef) and item.name in private_methods:
                         offenders.append(f"{where}:{item.lineno} overrides {item.name}")
     assert offenders == []
+
+
+# -- what HTTP reaches, following imports ----------------------------------------------
+
+# HTTP reaches the engine at run time only through the facade (the actor layer), the
+# generation path and the daemon's services (metrics count the engine's results).
+GATEWAYS = ("barrel.actors", "barrel.pipeline.generate", "barrel.metrics", "barrel.services")
+
+
+def _module_of(name: str) -> str | None:
+    """The barrel module `name` is, or lies in (`pkg.mod.Attr` -> `pkg.mod`)."""
+    parts = name.split(".")
+    while parts and parts[0] == "barrel":
+        path = ROOT.parent.joinpath(*parts)
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return ".".join(parts)
+        parts = parts[:-1]
+    return None
+
+
+def _path_of(module: str) -> Path:
+    path = ROOT.parent.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _reached(start: str, gateways: tuple[str, ...]) -> dict[str, str]:
+    """Every barrel module that importing `start` loads (packages' __init__ included),
+    not following imports into `gateways`; each with the module that imported it."""
+    seen = {start: ""}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        names = [".".join(parts[:i]) for i in range(2, len(parts))]  # its packages
+        names += [name for _, name in _imports(_path_of(module))]
+        for name in names:
+            target = _module_of(name)
+            if target is None or target in seen:
+                continue
+            seen[target] = module
+            if not any(target == g or target.startswith(g + ".") for g in gateways):
+                todo.append(target)
+    return seen
+
+
+def _chain(seen: dict[str, str], module: str) -> str:
+    out = [module]
+    while seen[out[-1]]:
+        out.append(seen[out[-1]])
+    return " <- ".join(out)
+
+
+def _reaching(package: str, forbidden: tuple[str, ...], gateways: tuple[str, ...]) -> list[str]:
+    offenders = []
+    for path in _files(package):
+        module = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+        seen = _reached(module, gateways)
+        offenders += [
+            _chain(seen, m) for m in seen if any(m == f or m.startswith(f + ".") for f in forbidden)
+        ]
+    return offenders
+
+
+def test_http_reaches_the_engine_and_the_store_only_through_the_facade_and_the_path() -> None:
+    assert _reaching("http", ("barrel.engine", "barrel.store"), GATEWAYS) == []
+
+
+def test_the_codecs_reach_no_engine_store_or_actor_even_transitively() -> None:
+    forbidden = ("barrel.engine", "barrel.store", "barrel.actors", "barrel.pipeline.generate")
+    assert _reaching("http/codecs", forbidden, ()) == []
+
+
+def test_the_transitive_reader_sees_an_edge_two_modules_away() -> None:
+    """A codec importing a pipeline module that imports the engine is caught (the edge
+    the old pipeline.types re-export was)."""
+    probe = ROOT / "http" / "codecs" / "_probe_for_layers_test.py"
+    probe.write_text("from barrel.pipeline import sampling\n")
+    try:
+        offenders = _reaching("http/codecs", ("barrel.engine",), ())
+    finally:
+        probe.unlink()
+    assert any(o.startswith("barrel.engine") and "_probe_for_layers_test" in o for o in offenders)
+
+
+def test_every_codec_imports_where_llama_cpp_cannot_be_imported() -> None:
+    """The codecs and their golden suites run without llama.cpp: each codec is imported
+    in a fresh interpreter where `import llama_cpp` fails, and nothing of the engine,
+    the store or the actors is loaded."""
+    codecs = sorted(
+        ".".join(p.relative_to(ROOT.parent).with_suffix("").parts)
+        for p in (ROOT / "http" / "codecs").glob("*.py")
+        if p.name != "__init__.py"
+    )
+    assert len(codecs) >= 6
+    script = (
+        "import sys\n"
+        "sys.modules['llama_cpp'] = None  # import llama_cpp raises ImportError\n"
+        "import importlib\n"
+        f"for name in {codecs!r}:\n"
+        "    importlib.import_module(name)\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('barrel.engine', 'barrel.store',"
+        " 'barrel.actors', 'llama_cpp')) and sys.modules[m] is not None)\n"
+        "print(bad)\n"
+        "try:\n"
+        "    import llama_cpp\n"
+        "except ImportError:\n"
+        "    print('blocked')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "blocked"]
+
+
+def test_the_pipeline_s_leaf_modules_import_nothing_of_barrel() -> None:
+    for leaf in ("events", "request"):
+        names = [name for _, name in _imports(ROOT / "pipeline" / f"{leaf}.py")]
+        assert [n for n in names if n.startswith("barrel")] == [], leaf

@@ -63,7 +63,7 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 async def loaded(lc: Lifecycle) -> set[str]:
-    return {m["name"] for m in await lc.ps()}
+    return {m.name for m in await lc.ps()}
 
 
 async def test_fifo_queue_admits_two_queues_four_and_refuses_two(
@@ -106,7 +106,7 @@ async def test_fifo_queue_admits_two_queues_four_and_refuses_two(
     assert errors.render("/v1/messages", refused[0]).status == 529
     assert [positions[i][0] for i in range(2, 6)] == [1, 2, 3, 4], "queue positions are visible"
     ps = await lc.ps()
-    assert (ps[0]["running"], ps[0]["queued"]) == (2, 4)
+    assert (ps[0].running, ps[0].queued) == (2, 4)
     # releasing admits the waiters in arrival order
     leases = {i: t.result() for i, t in enumerate(tasks) if i in admitted}
     order: list[int] = []
@@ -311,7 +311,7 @@ async def test_auto_shares_one_kv_stream_when_a_stream_each_would_not_fit(
             _, done = await lease.engine.submit(request).collect()
             assert done.usage.completion_tokens == 2
             await lc.release(lease)
-        by_name = {m["name"]: m["size"] - size for m in await lc.ps()}
+        by_name = {m.name: m.size - size for m in await lc.ps()}
         return [by_name[name] for name in names]
 
     assert await kv_of(size + margin + 3 * kv, "a") == [3 * kv]  # two sequences and a pin

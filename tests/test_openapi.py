@@ -11,7 +11,7 @@ import yaml
 from barrel.config import Config, LimitsConfig
 from barrel.http.codecs.ollama import MAX_TOP_LOGPROBS as OLLAMA_TOP_LOGPROBS
 from barrel.http.codecs.openai_common import MAX_LORA_ENTRIES, MAX_N, MAX_TOP_LOGPROBS
-from barrel.http.openai_completions import MAX_LOGPROBS
+from barrel.http.codecs.openai_completions import MAX_LOGPROBS
 from barrel.store.names import MAX_NAME
 from tests.apps import app_for
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from barrel.config import decode
-from barrel.pipeline.sampling import DEFAULTS, Dialect, effective, recommended
+from barrel.pipeline.request import Dialect
+from barrel.pipeline.sampling import DEFAULTS, effective, recommended
 from barrel.store.synthetic import TinyShape, tiny_model
 from tests.apps import app_for, booted
 
@@ -69,7 +70,7 @@ async def test_each_dialect_samples_with_its_own_defaults_on_a_live_model(
     assert created.status == 200, await created.text()
     seen = {}
     async with models.open("rec") as session:
-        for dialect in Dialect:
+        for dialect in DEFAULTS:  # the dialects that generate
             sampling, _, _ = session.sampling(dialect, {"seed": 7})
             seen[dialect] = sampling
     for dialect in (Dialect.OPENAI, Dialect.ANTHROPIC):

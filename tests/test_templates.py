@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from barrel.pipeline.chat import TOOL_INSTRUCTIONS, ChatRequest, prepare
+from barrel.pipeline.chat import TOOL_INSTRUCTIONS, ChatRequest, prepare, template_tools
+from barrel.pipeline.request import Tool, ToolChoice
 from barrel.pipeline.templates import ChatTemplate, TemplateError
 from barrel.pipeline.toolcalls import detect_family
 
@@ -224,12 +225,14 @@ def test_tools_reach_the_prompt_of_templates_that_print_none(llama_templates: Pa
 
     phi = ChatTemplate((llama_templates / "microsoft-Phi-3.5-mini-instruct.jinja").read_text())
     assert not phi.renders_tools
-    req = ChatRequest([{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS)
+    weather = Tool(**TOOLS[0]["function"])
+    assert template_tools((weather,)) == TOOLS
+    req = ChatRequest([{"role": "user", "content": "Weather in Paris?"}], tools=(weather,))
     prompt = bytes(prepare(req, phi, by_bytes, detect_family(phi.source)).prompt).decode()
     assert TOOL_INSTRUCTIONS in prompt
     assert '"name": "get_weather"' in prompt
     assert prompt.index("get_weather") < prompt.index("Weather in Paris?")
-    none = ChatRequest(req.messages, tools=TOOLS, tool_choice="none")
+    none = ChatRequest(req.messages, tools=(weather,), tool_choice=ToolChoice("none"))
     assert (
         "get_weather"
         not in bytes(prepare(none, phi, by_bytes, detect_family(phi.source)).prompt).decode()

@@ -7,13 +7,10 @@ import json
 
 import pytest
 
-from barrel.pipeline.toolcalls import (
-    Reasoning,
-    Text,
-    ToolCall,
-    ToolCallParser,
-    family,
-)
+from barrel.pipeline.events import ReasoningDelta as Reasoning
+from barrel.pipeline.events import TextDelta as Text
+from barrel.pipeline.events import ToolCallEvent as ToolCall
+from barrel.pipeline.toolcalls import ToolCallParser, family
 
 TOOLS = ["get_weather", "get_time"]
 PARIS = {"city": "Paris"}

@@ -46,6 +46,21 @@ LOCAL_SPEC_TTL_S = 2.0
 NO_TICKET = 0  # a lease outside the queue (admission's tickets start at 1)
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """A loaded model as `ps` reports it (the dialects shape it: barrel.http.codecs)."""
+
+    name: str
+    size: int  # bytes allocated: weights and KV cache
+    digest: str  # 64 hex
+    details: dict[str, Any]
+    expires_at: float | None  # wall-clock seconds; None: kept loaded
+    context_length: int
+    active: int  # leases held
+    running: int  # requests admitted
+    queued: int  # requests waiting in the model's queue
+
+
 @dataclass
 class Lease:
     model: str
@@ -445,7 +460,7 @@ class Lifecycle:
         except TimeoutError:
             raise CallTimeout(f"model {name} was still busy after {timeout:.0f}s") from None
 
-    async def ps(self) -> list[dict[str, Any]]:
+    async def ps(self) -> list[LoadedModel]:
         """Loaded models with size, context, expiry, active and queued requests."""
         loaded = await bridge.call(self.registry.get(LOADER), Loader.loaded)
         activity = await bridge.call(self.registry.get(KEEPALIVE), Keepalive.snapshot)
@@ -455,27 +470,21 @@ class Lifecycle:
             running, waiting = await bridge.call(admission, Admission.status, name)
             a = activity.get(name)
             out.append(
-                {
-                    "name": name,
-                    "model": name,
+                LoadedModel(
+                    name=name,
                     # what is allocated (weights and KV cache), not the load's estimate
                     # with its safety margin
-                    "size": spec.estimate_bytes - self.config.models.model_load_memory_margin_b,
-                    "size_vram": 0,
-                    "digest": spec.digest.removeprefix("sha256:"),
-                    "details": spec.details,
-                    "expires_at": _iso(a.expires_at) if a and a.expires_at else None,
-                    "context_length": spec.engine.n_ctx,
-                    "active": a.active if a else 0,
-                    "running": running,
-                    "queued": waiting,
-                }
+                    size=spec.estimate_bytes - self.config.models.model_load_memory_margin_b,
+                    digest=spec.digest.removeprefix("sha256:"),
+                    details=spec.details,
+                    expires_at=a.expires_at if a and a.expires_at else None,
+                    context_length=spec.engine.n_ctx,
+                    active=a.active if a else 0,
+                    running=running,
+                    queued=waiting,
+                )
             )
         return out
-
-
-def _iso(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
 def _plain_attention(meta: dict[str, Any]) -> bool:

@@ -13,11 +13,9 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import msgspec
 
 from barrel.actors import bridge
 from barrel.actors.catalog import Catalog
@@ -48,22 +46,21 @@ PULL_ASK_TIMEOUT = 2.0
 CREATE_TIMEOUT = 120.0
 
 
-class CreateRequest(msgspec.Struct, kw_only=True):
-    """/api/create's body (Ollama's fields)."""
+@dataclass(frozen=True)
+class NewModel:
+    """A model to create: a Modelfile's text, its fields given one by one (they win over
+    the text's), and files to import (name -> blob digest)."""
 
-    model: str = ""
-    name: str = ""  # the older field name
-    modelfile: str | None = None
-    from_: str | None = msgspec.field(default=None, name="from")
-    files: dict[str, str] | None = None
-    adapters: dict[str, str] | None = None
+    name: str
+    modelfile: str = ""
+    from_: str = ""
+    files: dict[str, str] = field(default_factory=dict)
+    adapters: tuple[str, ...] = ()  # blob digests
     template: str | None = None
     system: str | None = None
-    license: str | list[str] | None = None
-    parameters: dict[str, Any] | None = None
-    messages: list[dict[str, Any]] | None = None
-    quantize: str | None = None
-    stream: bool = True
+    license: tuple[str, ...] | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
 
 
 @dataclass(frozen=True)
@@ -203,10 +200,10 @@ class ModelManager:
 
     # -- changes ----------------------------------------------------------------------
 
-    def check_create(self, body: CreateRequest) -> tuple[str, mf.Modelfile, dict[str, str] | None]:
+    def check_create(self, new: NewModel) -> tuple[str, mf.Modelfile, dict[str, str] | None]:
         """Everything about a create that can be checked at once (400s)."""
-        name = self.model_name(body.model or body.name or _required())
-        spec, files = _modelfile(body)
+        name = self.model_name(new.name or _required())
+        spec, files = _modelfile(new)
         if spec.from_ and not spec.from_.startswith("sha256"):
             spec.from_ = self.config.resolve_alias(spec.from_)
         return name, spec, files
@@ -408,29 +405,24 @@ def _required() -> str:
     raise InvalidRequest("'model' is required")
 
 
-def _modelfile(body: CreateRequest) -> tuple[mf.Modelfile, dict[str, str] | None]:
-    if body.quantize:
-        raise InvalidRequest("quantize is not supported: Barrel does not requantize models")
-    spec = mf.parse(body.modelfile) if body.modelfile else mf.Modelfile(from_=body.from_ or "")
-    if body.from_:
-        spec.from_ = body.from_
-    if body.template is not None:
-        spec.template = body.template
-    if body.system is not None:
-        spec.system = body.system
-    if body.license is not None:
-        spec.license = [body.license] if isinstance(body.license, str) else list(body.license)
-    if body.parameters:
-        spec.parameters.update(mf.normalize_parameters(body.parameters))
-    if body.messages:
-        spec.messages = [
-            {"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
-            for m in body.messages
-        ]
-    for digest in (body.adapters or {}).values():
+def _modelfile(new: NewModel) -> tuple[mf.Modelfile, dict[str, str] | None]:
+    spec = mf.parse(new.modelfile) if new.modelfile else mf.Modelfile(from_=new.from_)
+    if new.from_:
+        spec.from_ = new.from_
+    if new.template is not None:
+        spec.template = new.template
+    if new.system is not None:
+        spec.system = new.system
+    if new.license is not None:
+        spec.license = list(new.license)
+    if new.parameters:
+        spec.parameters.update(mf.normalize_parameters(new.parameters))
+    if new.messages:
+        spec.messages = [{"role": role, "content": content} for role, content in new.messages]
+    for digest in new.adapters:
         parse_digest(digest)
         spec.adapters.append(digest)
-    files = body.files or None
+    files = dict(new.files) or None
     for digest in (files or {}).values():
         parse_digest(digest)
     if not spec.from_ and not files:
@@ -457,4 +449,4 @@ def _search_registries(hosts: dict[str, str], query: str) -> list[dict[str, Any]
     return found
 
 
-__all__ = ["CreateRequest", "ModelEntry", "ModelManager"]
+__all__ = ["ModelEntry", "ModelManager", "NewModel"]

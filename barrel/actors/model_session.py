@@ -1,11 +1,11 @@
 """A model as a request sees it: valid only while its lease is held.
 
 `Models.open(...)` yields a `ModelSession`. Everything a handler does with the model
-goes through it: tokenizing, the chat template, preparing and running a generation,
-raw completions, embeddings. The session holds the model (`LlamaModel.retain`), so an
-unload in the middle stops the engine but frees the vocabulary only after the last
-session let go; once the session is closed, every method raises `SessionClosed` instead
-of touching the model.
+goes through it: the vocabulary, sampling, the chat template, the engine (which the
+generation path, barrel.pipeline.generate, runs), embeddings and reranking. The session
+holds the model (`LlamaModel.retain`), so an unload in the middle stops the engine but
+frees the vocabulary only after the last session let go; once the session is closed,
+every method raises `SessionClosed` instead of touching the model.
 
 Thread affinity: methods run on the event loop; `tokenize`, `detokenize` and `piece`
 are also safe from a worker thread while the session is open (vocabulary only).
@@ -14,7 +14,7 @@ are also safe from a worker thread while the session is open (vocabulary only).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,19 +22,12 @@ import msgspec
 
 from barrel.actors.loader import ModelSpec
 from barrel.engine.engine import Engine
-from barrel.engine.stream import Stream
-from barrel.engine.types import GenerationRequest, SamplingParams
+from barrel.engine.types import SamplingParams
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.pipeline.chat import ChatEvent, ChatRequest, Prepared, make_template, prepare, run
-from barrel.pipeline.sampling import (
-    GGUF_SAMPLING,
-    Dialect,
-    effective,
-    recommended,
-    sampling_params,
-)
+from barrel.pipeline.chat import make_template
+from barrel.pipeline.request import Dialect
+from barrel.pipeline.sampling import GGUF_SAMPLING, effective, recommended, sampling_params
 from barrel.pipeline.templates import ChatTemplate
-from barrel.pipeline.toolcalls import detect_family
 
 
 class SessionClosed(BarrelError):
@@ -182,16 +175,15 @@ class ModelSession:
 
     # -- chat -------------------------------------------------------------------------
 
-    def with_model_messages(
-        self, messages: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], int]:
-        """The model's stored messages, then its SYSTEM (unless the request has a system
-        message), then the request's; and how many were put in front."""
-        spec = self.spec
-        head = list(spec.messages)
-        if spec.system and not any(m["role"] == "system" for m in messages):
-            head.append({"role": "system", "content": spec.system})
-        return [*head, *messages], len(head)
+    @property
+    def stored_messages(self) -> tuple[dict[str, Any], ...]:
+        """The model's MESSAGEs (Modelfile, /api/create), as chat templates read them."""
+        return self.spec.messages
+
+    @property
+    def stored_system(self) -> str | None:
+        """The model's SYSTEM (Modelfile, /api/create)."""
+        return self.spec.system
 
     async def template(self) -> ChatTemplate:
         """The model's compiled chat template (cached by model and manifest digest)."""
@@ -213,39 +205,17 @@ class ModelSession:
             return ""
         return self._model.piece(token, special=True).decode(errors="replace")
 
-    async def prepare(self, req: ChatRequest, template: ChatTemplate) -> Prepared:
-        """Render and tokenize, in a worker thread (a template is client input: its
-        render time is bounded, and never spent on the event loop); bad input fails here,
-        before the engine sees it."""
-        self._live()
-        model = self._model
-        family = detect_family(template.source)
-        projector = self._engine.projector
-        return await asyncio.to_thread(
-            prepare,
-            req,
-            template,
-            model.tokenize,
-            family,
-            model.control_tokens,
-            self._tokenize_as,
-            projector.images if projector is not None else None,
-        )
+    # -- the engine and embeddings ----------------------------------------------------
 
-    def _tokenize_as(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        return self._model.tokenize(text, add_special=add_special, parse_special=parse_special)
+    @property
+    def engine(self) -> Engine:
+        """The model's engine, for the generation path (barrel.pipeline.generate)."""
+        return self._live()
 
-    def run(self, req: ChatRequest, prep: Prepared) -> AsyncGenerator[ChatEvent, None]:
-        """Generate and parse: the pipeline's events (text, reasoning, tool calls, then
-        Finished). Read it inside the session."""
-        return run(self._live(), req, prep, self._timings)
-
-    # -- raw generation and embeddings ------------------------------------------------
-
-    def submit(self, req: GenerationRequest) -> Stream:
-        """A raw token generation (completions): the engine's events. Read it inside the
-        session."""
-        return self._live().submit(req)
+    @property
+    def timings(self) -> Callable[[float, float], None] | None:
+        """Metrics' callback for a chat run's (render seconds, parse seconds)."""
+        return self._timings
 
     async def embed(
         self, inputs: list[list[int]], *, normalize: bool = True, truncate: bool = False

@@ -1,8 +1,8 @@
 """The facade HTTP talks to: models to open, manage and watch.
 
     async with models.open("qwen", on_queued=..., on_loading=...) as session:
-        prep = await session.prepare(req, await session.template())
-        async for event in session.run(req, prep): ...
+        gen = await barrel.pipeline.generate.start(session, req)
+        async for index, event in merged(gen.runs): ...
 
 `open` takes a lease (a place in the model's FIFO queue, activity for keep-alive, the
 loaded engine; see `barrel.actors.lifecycle`) and yields a `ModelSession` valid only
@@ -23,7 +23,7 @@ from typing import Any
 
 from barrel.actors import bridge
 from barrel.actors.child import Child
-from barrel.actors.lifecycle import Lease, Lifecycle
+from barrel.actors.lifecycle import Lease, Lifecycle, LoadedModel
 from barrel.actors.manage import ModelManager
 from barrel.actors.model_session import ModelCaches, ModelSession
 from barrel.actors.runtime import Runtime
@@ -148,31 +148,33 @@ class Models:
         """Unload `model` once no request uses it (at once when idle)."""
         return await self.lifecycle.unload_when_idle(model)
 
-    async def ps(self) -> list[dict[str, Any]]:
+    async def ps(self) -> list[LoadedModel]:
         return await self.lifecycle.ps()
 
     # -- status -------------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
         """Loaded models with live engine figures, recent requests, pulls and restarts
-        (for `barrel top`)."""
+        (for `barrel top`): each model as (what `ps` says, its live figures)."""
         metrics = self.metrics
         resident = await asyncio.to_thread(self.residency.resident)
         models = []
         for m in await self.ps():
-            live = metrics.live.get(m["name"])
+            live = metrics.live.get(m.name)
             models.append(
-                {
-                    **m,
-                    "state": "busy" if m["running"] else "idle",
-                    "resident_bytes": resident.get(m["name"], 0),
-                    "tokens_per_s": round(live.tokens_per_s(), 2) if live else 0.0,
-                    "active_sequences": live.active if live else 0,
-                    "kv_cells_used": live.kv_cells if live else 0,
-                    "cache_hit_ratio": round(live.cache_hit_ratio(), 4) if live else 0.0,
-                    "generated_tokens": live.generated if live else 0,
-                    "requests_done": live.requests if live else 0,
-                }
+                (
+                    m,
+                    {
+                        "state": "busy" if m.running else "idle",
+                        "resident_bytes": resident.get(m.name, 0),
+                        "tokens_per_s": round(live.tokens_per_s(), 2) if live else 0.0,
+                        "active_sequences": live.active if live else 0,
+                        "kv_cells_used": live.kv_cells if live else 0,
+                        "cache_hit_ratio": round(live.cache_hit_ratio(), 4) if live else 0.0,
+                        "generated_tokens": live.generated if live else 0,
+                        "requests_done": live.requests if live else 0,
+                    },
+                )
             )
         return {
             "models": models,

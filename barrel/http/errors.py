@@ -8,19 +8,12 @@ Barrel's own endpoints: {"error": {"code", "message"}}
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 from aiohttp import web
 
 from barrel.errors import BarrelError
+from barrel.pipeline.request import Dialect
 
-
-class Dialect(StrEnum):
-    OPENAI = "openai"
-    ANTHROPIC = "anthropic"
-    OLLAMA = "ollama"
-    BARREL = "barrel"
-
+__all__ = ["Dialect", "dialect_for", "error_body"]
 
 LLAMA_SERVER_PATHS = frozenset({"/tokenize", "/detokenize", "/rerank", "/reranking"})
 

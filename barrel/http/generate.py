@@ -1,4 +1,4 @@
-"""The one handler body behind every chat-shaped endpoint, whatever its dialect.
+"""The one handler body behind every generating endpoint, whatever its dialect.
 
     req, extras = codec.decode(body)            # 400s, before anything else
     return await serve(request, req, encoder, transport)
@@ -183,11 +183,11 @@ async def serve(
             keep_alive=req.keep_alive,
             on_queued=queued,
             on_loading=loading,
-            sequences=req.n,
+            sequences=req.runs,
         ) as session:
             load_s = stamp.perf() - started
             gen = await generate.start(session, req, limits)
-            begin = Begin(gen.prompt_tokens, started, load_s, tuple(gen.prep.prompt))
+            begin = Begin(gen.prompt_tokens, started, load_s, tuple(gen.prompt), gen.echo)
             frames = encoder.begin(begin)
             if transport is not None and frames:
                 await transport.write(frames)

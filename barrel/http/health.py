@@ -44,7 +44,7 @@ async def metrics(request: web.Request) -> web.Response:
         servable = [entry.name for entry in await models.manage.all_models()]
     except BarrelError:  # the tree is (re)starting: no model-server series this time
         loaded, servable = [], []
-    running = [(m["name"], m["queued"], m["context_length"]) for m in loaded]
+    running = [(m.name, m.queued, m.context_length) for m in loaded]
     metrics.model_server.loaded(running, servable)
     body = metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

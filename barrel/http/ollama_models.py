@@ -12,8 +12,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from barrel.actors.manage import CreateRequest
+from barrel.actors.manage import NewModel
 from barrel.errors import BarrelError, CallTimeout, InvalidRequest
+from barrel.http.codecs import ollama as codec
 from barrel.http.keys import CONFIG, MODELS
 
 logger = logging.getLogger(__name__)
@@ -124,9 +125,21 @@ async def _wait_pull(events: asyncio.Queue[dict[str, Any]], timeout: float) -> w
 
 @routes.post("/api/create")
 async def create(request: web.Request) -> web.StreamResponse:
-    body: CreateRequest = await _body(request, CreateRequest)
+    body = codec.decode_create(await request.read())
+    new = NewModel(
+        name=body.model or body.name,
+        modelfile=body.modelfile or "",
+        from_=body.from_ or "",
+        files=body.files or {},
+        adapters=tuple((body.adapters or {}).values()),
+        template=body.template,
+        system=body.system,
+        license=body.licenses,
+        parameters=body.parameters or {},
+        messages=body.roles_and_contents,
+    )
     manage = request.app[MODELS].manage
-    name, spec, files = manage.check_create(body)
+    name, spec, files = manage.check_create(new)
     resp = await _stream_ndjson(request) if body.stream else None
     if resp is not None:
         await resp.write(_ndjson_line({"status": "reading model metadata"}))
@@ -196,7 +209,9 @@ async def search(request: web.Request) -> web.Response:
 
 @routes.get("/api/ps")
 async def ps(request: web.Request) -> web.Response:
-    return web.json_response({"models": await request.app[MODELS].ps()})
+    return web.json_response(
+        {"models": [codec.ps_model(m) for m in await request.app[MODELS].ps()]}
+    )
 
 
 # -- blobs ----------------------------------------------------------------------------

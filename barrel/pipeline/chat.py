@@ -4,8 +4,12 @@
             -> sampling with the grammar tool_choice / response_format ask for
             -> engine stream -> tool-call and reasoning parser -> events
 
-The three API dialects decode their requests into `ChatRequest` and encode the events
-this yields; none of them touches templates, grammars or the parser.
+The generation path (barrel.pipeline.generate) builds a `ChatRequest` from the neutral
+request every dialect decodes (`GenerateRequest`), with its neutral tools, tool choice
+and format; the dialects encode the events this yields (barrel.pipeline.events) and
+never touch templates, grammars or the parser. The rules that can be checked before a
+lease (a tool choice naming a tool, a forced call beside a format) are checked there,
+once (`generate.check`).
 
 tool_choice: "auto" prompts the model with the tools and parses what it writes (the
 family's own syntax); "none" renders no tools; "required" and a named function force a
@@ -32,30 +36,36 @@ import msgspec
 
 from barrel.engine.engine import Engine
 from barrel.engine.kvcache import common_prefix
-from barrel.engine.types import (
-    Done,
-    GenerationRequest,
-    SamplingParams,
-    SessionId,
-    TokenLogprob,
-    Usage,
-)
+from barrel.engine.types import Done, GenerationRequest, SamplingParams, SessionId
+from barrel.engine.types import TokenLogprob as EngineLogprob
+from barrel.engine.types import Usage as EngineUsage
 from barrel.engine.vision import Media, Piece
 from barrel.errors import InvalidRequest
+from barrel.pipeline.events import (
+    ChatEvent,
+    Finished,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCallEvent,
+    TopLogprob,
+    Usage,
+)
 from barrel.pipeline.gotemplate import go_to_jinja, is_go_template
 from barrel.pipeline.grammar import json_schema_grammar
 from barrel.pipeline.images import REFUSAL, image_marker, markers_of
+from barrel.pipeline.request import Format, Tool, ToolChoice
 from barrel.pipeline.templates import ChatTemplate
-from barrel.pipeline.toolcalls import Family, Reasoning, Text, ToolCall, ToolCallParser, family
+from barrel.pipeline.toolcalls import Family, ParseEvent, ToolCallParser, family
 
 
 @dataclass
 class ChatRequest:
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    tool_choice: str | dict[str, Any] = "auto"
+    messages: list[dict[str, Any]]  # as chat templates read them (template_messages)
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None  # {"type": "json_object"|"json_schema", ...}
+    format: Format = field(default_factory=Format)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
@@ -73,41 +83,6 @@ class ChatRequest:
     ignore_eos: bool = False  # GenerationRequest.ignore_eos (the answer, not the thoughts)
     # the images the messages' markers name (barrel.pipeline.images): bytes by SHA-256
     images: dict[str, bytes] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-    # log-probabilities of the tokens generated since the previous event (when asked)
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallEvent:
-    id: str
-    name: str
-    arguments: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # stop | length | tool_calls | cancelled
-    usage: Usage
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    stop_sequence: str | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()  # those not yet attached to a TextDelta
-    # the whole sequence: the prompt (with any reasoning step) and the answer's tokens,
-    # an end-of-generation token left out (Ollama's /api/generate `context`)
-    context: tuple[int, ...] = ()
-
-
-ChatEvent = TextDelta | ReasoningDelta | ToolCallEvent | Finished
 
 
 @dataclass(frozen=True)
@@ -131,52 +106,45 @@ class Prepared:
     next_turn: tuple[int, ...] = ()
 
 
-def _tool_names(tools: list[dict[str, Any]]) -> list[str]:
-    return [str(t.get("function", t).get("name", "")) for t in tools]
+def template_tools(tools: tuple[Tool, ...]) -> list[dict[str, Any]]:
+    """Neutral tools -> what chat templates read (the OpenAI function shape, as Hugging
+    Face's templates expect)."""
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+        }
+        for t in tools
+    ]
 
 
-def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    fn = tool.get("function", tool)
-    params = fn.get("parameters") or {"type": "object"}
+def _call_schema(tool: Tool) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": fn["name"]}, "arguments": params},
+        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
 
 
 def _forced_schema(req: ChatRequest) -> dict[str, Any] | None:
-    choice = req.tool_choice
-    if req.tool_mode == "grammar" and choice == "auto":
-        choice = "required"
-    if not req.tools or choice in ("auto", "none"):
+    """The schema of the call a forced tool choice writes (the choice was checked
+    against the tools by barrel.pipeline.generate.check)."""
+    mode = req.tool_choice.mode
+    if req.tool_mode == "grammar" and mode == "auto":
+        mode = "required"
+    if not req.tools or mode in ("auto", "none"):
         return None
-    if choice == "required":
+    if mode == "required":
         options = [_call_schema(t) for t in req.tools]
         return options[0] if len(options) == 1 else {"anyOf": options}
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") or choice.get("name")
-        tool = next((t for t in req.tools if t.get("function", t).get("name") == name), None)
-        if tool is None:
-            raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools")
-        return _call_schema(tool)
-    raise InvalidRequest(f"tool_choice must be auto, none, required or a function, not {choice!r}")
+    return _call_schema(next(t for t in req.tools if t.name == req.tool_choice.name))
 
 
-def _answer_schema(req: ChatRequest) -> dict[str, Any] | None:
-    fmt = req.response_format
-    if not fmt or fmt.get("type") == "text":
-        return None
-    if fmt.get("type") == "json_object":
+def _answer_schema(fmt: Format) -> dict[str, Any] | None:
+    if fmt.kind == "json_object":
         return {"type": "object"}
-    if fmt.get("type") == "json_schema":
-        spec = fmt.get("json_schema") or {}
-        schema = spec.get("schema", spec)
-        if not isinstance(schema, dict):
-            raise InvalidRequest("response_format.json_schema.schema must be an object")
-        return schema
-    raise InvalidRequest(f"unknown response_format type {fmt.get('type')!r}")
+    return fmt.schema if fmt.kind == "json_schema" else None
 
 
 def prepare(
@@ -194,10 +162,8 @@ def prepare(
     projector (None: it reads no images)."""
     _refuse_images(req.messages)
     forced = _forced_schema(req)
-    schema = _answer_schema(req)
-    if forced is not None and schema is not None:
-        raise InvalidRequest("a forced tool call and a response_format cannot be combined")
-    tools = [] if req.tool_choice == "none" else req.tools
+    schema = _answer_schema(req.format)
+    tools = template_tools(req.tools) if req.tool_choice.mode != "none" else []
     kwargs = dict(req.template_kwargs)
     if req.thinking is not None:
         kwargs.setdefault("enable_thinking", req.thinking)
@@ -250,7 +216,7 @@ def prepare(
         forced_call=forced is not None,
         schema=grammar_schema,
         grammar=grammar,
-        tool_names=tuple(_tool_names(tools)),
+        tool_names=tuple(t.name for t in req.tools) if tools else (),
         render_s=render_s,
         media=tuple(media.values()),
         next_turn=tuple(tokenize_as(template.next_turn, False, True))
@@ -492,7 +458,8 @@ async def run(
             if isinstance(event, Done):
                 done = event
                 break
-            pending.extend(event.logprobs)
+            if event.logprobs:
+                pending.extend(logprobs_of(event.logprobs))
             start = time.perf_counter()
             parsed_events = parser.feed(event.text)
             parse_s += time.perf_counter() - start
@@ -535,34 +502,37 @@ async def run(
 
 
 def _events(
-    parsed_events: list[Any], req: ChatRequest, calls: int, pending: list[TokenLogprob]
+    parsed_events: list[ParseEvent], req: ChatRequest, calls: int, pending: list[TokenLogprob]
 ) -> Iterator[ChatEvent]:
-    """The parser's events as the pipeline's; logprobs waiting for text attach to the
-    next text delta (and `pending` empties)."""
-    for parsed in parsed_events:
-        out = _convert(parsed, req, calls)
-        if isinstance(out, TextDelta) and pending:
+    """The parser's events as the run yields them: logprobs waiting for text attach to
+    the next text delta (and `pending` empties); with `parallel_tool_calls` off, calls
+    after the first are dropped."""
+    for out in parsed_events:
+        if isinstance(out, ToolCallEvent):
+            if calls and not req.parallel_tool_calls:
+                continue  # one call per turn was asked for
+            calls += 1
+        elif isinstance(out, TextDelta) and pending:
             out = TextDelta(out.text, tuple(pending))
             pending.clear()
-        if out is not None:
-            calls += isinstance(out, ToolCallEvent)
-            yield out
+        yield out
 
 
-def _add(u: Usage, reused: int, computed: int, completion: int) -> tuple[int, int, int]:
+def _add(u: EngineUsage, reused: int, computed: int, completion: int) -> tuple[int, int, int]:
     return reused + u.prompt_reused, computed + u.prompt_computed, completion + u.completion_tokens
 
 
-def _convert(parsed: Any, req: ChatRequest, calls: int) -> ChatEvent | None:
-    if isinstance(parsed, Text):
-        return TextDelta(parsed.text)
-    if isinstance(parsed, Reasoning):
-        return ReasoningDelta(parsed.text)
-    if isinstance(parsed, ToolCall):
-        if calls and not req.parallel_tool_calls:
-            return None  # one call per turn was asked for
-        return ToolCallEvent(parsed.id, parsed.name, parsed.arguments)
-    return None
+def logprobs_of(lps: tuple[EngineLogprob, ...]) -> tuple[TokenLogprob, ...]:
+    """The engine's log-probabilities as the pipeline's events carry them."""
+    return tuple(
+        TokenLogprob(
+            lp.token,
+            lp.text,
+            lp.logprob,
+            tuple(TopLogprob(t.token, t.text, t.logprob) for t in lp.top),
+        )
+        for lp in lps
+    )
 
 
 def schema_of_call(event: ToolCallEvent) -> dict[str, Any]:

@@ -1,38 +1,45 @@
-"""The one generation path every chat-shaped endpoint takes, whatever its dialect:
+"""The one generation path every generating endpoint takes, whatever its dialect:
 
     check(req)                          before any lease (400s)
     gen = await start(session, req)     under the lease
     async for i, event in merged(gen.runs): ...
 
-`start` puts the model's stored MESSAGEs and SYSTEM in front, merges the sampling
-(barrel.pipeline.sampling), renders the chat template with thinking as the request and
-the template want it, derives the KV session, prepares the prompt (off the loop unless it
-is small) and starts `n` runs of the pipeline: the first continues the conversation's KV
-session, the others are new sequences.
+For a chat turn, `start` puts the model's stored MESSAGEs and SYSTEM in front, merges
+the sampling (barrel.pipeline.sampling), renders the chat template with thinking as the
+request and the template want it, derives the KV session, prepares the prompt in a
+worker thread (barrel.pipeline.chat.prepare) and starts `n` runs (barrel.pipeline.chat.
+run): the first continues the conversation's KV session, the others are new sequences.
+A completion (`req.completion`) skips the template: its prompts are tokenized as given
+and run unparsed (barrel.pipeline.complete).
 
 `session` is a `ModelSession` (barrel.actors), seen here through the `ModelAccess`
-protocol: the pipeline does not import the actor layer.
+protocol: the pipeline does not import the actor layer. The session hands out the model
+and its engine; every step above is the pipeline's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 import msgspec
 
 from barrel.config import LimitsConfig
+from barrel.engine.engine import Engine
+from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
 from barrel.errors import InvalidRequest
-from barrel.pipeline import images
-from barrel.pipeline.chat import ChatEvent, ChatRequest, Prepared
+from barrel.pipeline import chat as chat_turn
+from barrel.pipeline import complete, images
+from barrel.pipeline.chat import ChatRequest, Prepared
+from barrel.pipeline.events import ChatEvent
 from barrel.pipeline.grammar import check_schema
-from barrel.pipeline.request import GenerateRequest, Message, TextPart
-from barrel.pipeline.sampling import Dialect
+from barrel.pipeline.request import Dialect, GenerateRequest, Message, TextPart
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.templates import ChatTemplate
-from barrel.pipeline.types import SamplingParams, SessionId
+from barrel.pipeline.toolcalls import detect_family
 
 logger = logging.getLogger(__name__)
 
@@ -59,31 +66,43 @@ class ModelAccess(Protocol):
         self, dialect: Dialect, options: dict[str, Any]
     ) -> tuple[SamplingParams, int | None, tuple[str, ...]]: ...
 
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def timings(self) -> Callable[[float, float], None] | None:
+        """Called with (render seconds, parse seconds) after each chat run (metrics)."""
+        ...
+
     def check_tokens(self, tokens: list[int], param: str) -> None: ...
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]: ...
 
+    def detokenize(self, tokens: list[int]) -> str: ...
+
+    def piece(self, token: int, *, special: bool = False) -> str: ...
+
     def fim_prompt(self, prefix: str, suffix: str) -> list[int]: ...
 
-    def with_model_messages(
-        self, messages: list[dict[str, Any]]
-    ) -> tuple[list[dict[str, Any]], int]: ...
+    @property
+    def stored_messages(self) -> tuple[dict[str, Any], ...]: ...
+
+    @property
+    def stored_system(self) -> str | None: ...
 
     async def template(self) -> ChatTemplate: ...
-
-    async def prepare(self, req: ChatRequest, template: ChatTemplate) -> Prepared: ...
-
-    def run(self, req: ChatRequest, prep: Prepared) -> AsyncGenerator[ChatEvent, None]: ...
 
 
 @dataclasses.dataclass
 class Generation:
-    prep: Prepared
     runs: list[AsyncGenerator[ChatEvent, None]]
+    prompt: list[int]  # the (first) prompt's tokens
+    # per run, the text in front of its answer (a completion's echo)
+    echo: tuple[str, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.prep.prompt)
+        return len(self.prompt)
 
 
 def check(req: GenerateRequest, limits: LimitsConfig) -> None:
@@ -97,22 +116,29 @@ def check(req: GenerateRequest, limits: LimitsConfig) -> None:
         raise InvalidRequest(
             f"a stop string may have at most {limits.max_stop_length} characters", param="stop"
         )
-    if req.n > limits.max_sequences:
-        raise InvalidRequest(f"n may be at most {limits.max_sequences}", param="n")
+    if req.runs > limits.max_sequences:
+        prompts = req.runs // req.n
+        raise InvalidRequest(
+            f"{prompts} prompts x n={req.n} is more than the {limits.max_sequences} "
+            "sequences one request may run"
+            if prompts > 1
+            else f"n may be at most {limits.max_sequences}",
+            param="prompt" if prompts > 1 else "n",
+        )
     schema_limits = {"max_bytes": limits.max_schema_bytes, "max_repeat": limits.max_schema_repeat}
     if req.format.schema is not None:
         check_schema(req.format.schema, where="the response format", **schema_limits)
     for tool in req.tools:
         check_schema(tool.parameters, where=f"the tool {tool.name!r}", **schema_limits)
-    if req.tool_choice.mode == "function" and req.tool_choice.name not in {
-        t.name for t in req.tools
-    }:
+    choice = req.tool_choice
+    if choice.mode == "function" and choice.name not in {t.name for t in req.tools}:
         raise InvalidRequest(
-            f"tool_choice names {req.tool_choice.name!r}, which is not among the tools",
+            f"tool_choice names {choice.name!r}, which is not among the tools",
             param="tool_choice",
         )
-    if req.format.kind == "json_schema" and not isinstance(req.format.schema, dict):
-        raise InvalidRequest("the response format's schema must be an object")
+    forced = req.tools and choice.mode in ("required", "function")
+    if forced and req.format.kind != "text":
+        raise InvalidRequest("a forced tool call and a response_format cannot be combined")
 
 
 def template_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
@@ -146,30 +172,16 @@ def template_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(req: GenerateRequest) -> list[dict[str, Any]]:
-    return [
-        {
-            "type": "function",
-            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
-        }
-        for t in req.tools
-    ]
-
-
-def _tool_choice(req: GenerateRequest) -> str | dict[str, Any]:
-    choice = req.tool_choice
-    if choice.mode == "function":
-        return {"type": "function", "function": {"name": choice.name}}
-    return choice.mode
-
-
-def _response_format(req: GenerateRequest) -> dict[str, Any] | None:
-    fmt = req.format
-    if fmt.kind == "json_object":
-        return {"type": "json_object"}
-    if fmt.kind == "json_schema":
-        return {"type": "json_schema", "json_schema": {"schema": fmt.schema}}
-    return None
+def with_model_messages(
+    session: ModelAccess, messages: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], int]:
+    """The model's stored messages, then its SYSTEM (unless the request has a system
+    message), then the request's; and how many were put in front."""
+    head = [dict(m) for m in session.stored_messages]
+    system = session.stored_system
+    if system and not any(m["role"] == "system" for m in messages):
+        head.append({"role": "system", "content": system})
+    return [*head, *messages], len(head)
 
 
 def thinking_of(req: GenerateRequest, template: ChatTemplate) -> tuple[bool | None, dict[str, Any]]:
@@ -227,10 +239,14 @@ async def start(
     session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None = None
 ) -> Generation:
     """Everything between the lease and the first token (see the module's docstring)."""
+    if req.completion is not None:
+        return await _completion(session, req)
     chat, prep = await _prepared(session, req, limits)
-    runs = [session.run(chat, prep)]
-    runs += [session.run(dataclasses.replace(chat, session=None), prep) for _ in range(req.n - 1)]
-    return Generation(prep, runs)
+    engine, timings = session.engine, session.timings
+    runs = [chat_turn.run(engine, chat, prep, timings)]
+    alone = dataclasses.replace(chat, session=None)
+    runs += [chat_turn.run(engine, alone, prep, timings) for _ in range(req.n - 1)]
+    return Generation(runs, prep.prompt)
 
 
 async def prepare(
@@ -240,10 +256,64 @@ async def prepare(
     return (await _prepared(session, req, limits))[1]
 
 
+async def _completion(session: ModelAccess, req: GenerateRequest) -> Generation:
+    completion = req.completion
+    assert completion is not None
+    sampling, max_tokens, stop = _sampling(session, req)
+    if max_tokens is None:
+        max_tokens = complete.DEFAULT_MAX_TOKENS
+    prompts = await asyncio.to_thread(complete.tokens, session, completion)
+    echoes = await asyncio.to_thread(complete.echoes, session, completion, prompts)
+    lora = lora_scales(req.lora, session.adapters)
+    engine = session.engine
+    runs = [
+        complete.run(
+            engine,
+            GenerationRequest(
+                prompt,
+                sampling,
+                max_tokens=max_tokens,
+                stop=stop,
+                prompt_logprobs=completion.prompt_logprobs,
+                scope=req.scope,
+                lora=lora,
+                ignore_eos=req.ignore_eos,
+            ),
+            session.piece,
+        )
+        for prompt in prompts
+        for _ in range(req.n)
+    ]
+    return Generation(runs, prompts[0], tuple(e for e in echoes for _ in range(req.n)))
+
+
+async def _render(session: ModelAccess, chat: ChatRequest, template: ChatTemplate) -> Prepared:
+    """Render and tokenize in a worker thread (a template is client input: its render
+    time is bounded, and never spent on the event loop); bad input fails here, before
+    the engine sees it."""
+    engine = session.engine
+    model = engine.model
+    projector = engine.projector
+
+    def tokenize_as(text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    return await asyncio.to_thread(
+        chat_turn.prepare,
+        chat,
+        template,
+        model.tokenize,
+        detect_family(template.source),
+        model.control_tokens,
+        tokenize_as,
+        projector.images if projector is not None else None,
+    )
+
+
 async def _prepared(
     session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None
 ) -> tuple[ChatRequest, Prepared]:
-    messages, before = session.with_model_messages(template_messages(req.messages))
+    messages, before = with_model_messages(session, template_messages(req.messages))
     sampling, max_tokens, stop = _sampling(session, req)
     verbatim = _raw_prompt(session, req)
     template = VERBATIM if verbatim is not None else await session.template()
@@ -251,10 +321,10 @@ async def _prepared(
     budget = req.reasoning_budget or EFFORT_BUDGETS.get(req.reasoning_effort or "", DEFAULT_BUDGET)
     chat = ChatRequest(
         messages,
-        tools=_tools(req),
-        tool_choice=_tool_choice(req),
+        tools=req.tools,
+        tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
-        response_format=_response_format(req),
+        format=req.format,
         sampling=sampling,
         max_tokens=max_tokens,
         stop=stop,
@@ -269,7 +339,7 @@ async def _prepared(
         ignore_eos=req.ignore_eos,
         images={images.digest_of_part(i): i.data for m in req.messages for i in m.images},
     )
-    prep = await session.prepare(chat, template)
+    prep = await _render(session, chat, template)
     grammar_bytes = len(prep.grammar or "")
     if limits is not None and grammar_bytes > limits.max_grammar_bytes:
         raise InvalidRequest(

@@ -1,15 +1,27 @@
 """The neutral request every dialect's codec decodes into: frozen msgspec structs, with
-content parts as a tagged union (text today; images join as another tag), and no
-dialect-shaped dicts inside. `barrel.pipeline.generate` turns one into a generation.
+content parts as a tagged union (text and images), and no dialect-shaped dicts inside.
+`barrel.pipeline.generate` turns one into a generation. A leaf: it imports nothing of
+Barrel, so the codecs load without llama.cpp.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Literal
 
 import msgspec
 
-from barrel.pipeline.sampling import Dialect
+
+class Dialect(StrEnum):
+    """The wire language a request speaks: its defaults (barrel.pipeline.sampling) and
+    its error envelope (barrel.http.errors) follow it. BARREL: Barrel's own endpoints,
+    which generate nothing."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+    OLLAMA = "ollama"
+    BARREL = "barrel"
+
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -117,6 +129,17 @@ class RawPrompt(msgspec.Struct, frozen=True, kw_only=True):
     context: tuple[int, ...] = ()
 
 
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """OpenAI's completions: prompts completed as they are given, without a chat
+    template, the answer unparsed text (barrel.pipeline.complete). Each prompt (text or
+    token ids) is run `n` times: run index = prompt * n + choice."""
+
+    prompts: tuple[str | tuple[int, ...], ...]
+    suffix: str = ""  # fill-in-the-middle: the text after the answer
+    echo: bool = False  # each prompt in front of its answers
+    prompt_logprobs: bool = False  # score the prompt: each token's logprob (with echo)
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     dialect: Dialect
@@ -152,3 +175,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     lora: tuple[tuple[int, float], ...] | None = None
     ignore_eos: bool = False  # generate past end-of-generation tokens, up to max_tokens
     raw: RawPrompt | None = None
+    completion: Completion | None = None  # OpenAI's completions (then `messages` is empty)
+
+    @property
+    def runs(self) -> int:
+        """Engine sequences the request takes: n for each prompt."""
+        return self.n * (len(self.completion.prompts) if self.completion is not None else 1)

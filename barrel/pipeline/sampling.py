@@ -15,18 +15,11 @@ From weakest to strongest:
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any
 
 from barrel.engine.types import SamplingParams
 from barrel.errors import InvalidRequest
-
-
-class Dialect(StrEnum):
-    OLLAMA = "ollama"
-    OPENAI = "openai"
-    ANTHROPIC = "anthropic"
-
+from barrel.pipeline.request import Dialect
 
 _NEUTRAL: dict[str, Any] = {
     "temperature": 1.0,

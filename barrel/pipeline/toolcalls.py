@@ -21,25 +21,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from barrel.pipeline.events import ReasoningDelta, TextDelta, ToolCallEvent
 
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as the OpenAI API carries it
-
-
-@dataclass(frozen=True)
-class Text:
-    text: str
-
-
-@dataclass(frozen=True)
-class Reasoning:
-    text: str
-
-
-ParseEvent = Text | Reasoning | ToolCall
+ParseEvent = TextDelta | ReasoningDelta | ToolCallEvent
 Call = tuple[str, Any]  # (name, arguments object)
 
 
@@ -388,11 +372,11 @@ class ToolCallParser:
             self._buf = ""
             out += self._object(final=True) or []
         elif self._state == "reasoning" and self._buf:
-            out.append(Reasoning(self._buf))
+            out.append(ReasoningDelta(self._buf))
         elif self._buf:
-            out.append(Text(self._buf))
+            out.append(TextDelta(self._buf))
         self._buf = self._region = ""
-        return [e for e in out if not isinstance(e, Text) or e.text]
+        return [e for e in out if not isinstance(e, TextDelta) or e.text]
 
     def _drain(self, final: bool) -> list[ParseEvent]:
         out: list[ParseEvent] = []
@@ -403,11 +387,11 @@ class ToolCallParser:
                 if at < 0:
                     keep = _partial_suffix(self._buf, [end])
                     if len(self._buf) > keep:
-                        out.append(Reasoning(self._buf[: len(self._buf) - keep]))
+                        out.append(ReasoningDelta(self._buf[: len(self._buf) - keep]))
                         self._buf = self._buf[len(self._buf) - keep :]
                     return out
                 if at:
-                    out.append(Reasoning(self._buf[:at]))
+                    out.append(ReasoningDelta(self._buf[:at]))
                 self._buf = self._buf[at + len(end) :]
                 self._state = "text"
                 self._after_reasoning = True
@@ -468,13 +452,13 @@ class ToolCallParser:
                 keep = 0 if final else _partial_suffix(self._buf, held)
                 if len(self._buf) > keep:
                     said = self._buf[: len(self._buf) - keep]
-                    out.append(Text(said))
+                    out.append(TextDelta(said))
                     self._spoke = self._spoke or bool(said.strip())
                     self._buf = self._buf[len(self._buf) - keep :]
                 return out
             at, marker = found
             if at:
-                out.append(Text(self._buf[:at]))
+                out.append(TextDelta(self._buf[:at]))
                 self._spoke = self._spoke or bool(self._buf[:at].strip())
             if marker in self.family.noise and marker not in self._markers:
                 self._buf = self._buf[at + len(marker) :]
@@ -503,7 +487,7 @@ class ToolCallParser:
             marker = (
                 "" if self.family.keep_start or not self.family.starts else self.family.starts[0]
             )
-            return [Text(marker + region + (self.family.end or "") * (not final))]
+            return [TextDelta(marker + region + (self.family.end or "") * (not final))]
         return [_event(c) for c in calls]
 
     def _object(self, final: bool) -> list[ParseEvent] | None:
@@ -529,7 +513,7 @@ class ToolCallParser:
             self._state = "text"
             if partial is not None:
                 return [_event(partial)]
-            return [Text(region)]
+            return [TextDelta(region)]
         calls = self._parse_with("json", region[start:end])
         if calls is None:
             return self._as_text(region[:1], region[1:])
@@ -544,7 +528,7 @@ class ToolCallParser:
         self._region = ""
         self._state = "text"
         self._buf = rest + self._buf
-        return [Text(text)]
+        return [TextDelta(text)]
 
     def _partial(self, region: str) -> Call | None:
         """A call cut short (the token limit): a declared tool's name and the arguments
@@ -628,9 +612,9 @@ def _close_json(text: str) -> str:
     return out + "".join(reversed(stack))
 
 
-def _event(call: Call) -> ToolCall:
+def _event(call: Call) -> ToolCallEvent:
     name, args = call
-    return ToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False))
+    return ToolCallEvent(new_call_id(), name, json.dumps(args, ensure_ascii=False))
 
 
 def _earliest(text: str, markers: list[str]) -> tuple[int, str] | None:

@@ -6,8 +6,7 @@ import json
 from typing import Any
 
 from barrel.http.codecs import Comment, Data, EndMarker, Frame, Stamp
-from barrel.pipeline.chat import Finished
-from barrel.pipeline.types import TokenLogprob, Usage
+from barrel.pipeline.events import Finished, TokenLogprob, Usage
 
 NOW = 1_700_000_000.25
 

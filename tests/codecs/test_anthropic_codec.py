@@ -10,8 +10,9 @@ import pytest
 from barrel.errors import InvalidRequest, Unavailable
 from barrel.http.codecs import Begin
 from barrel.http.codecs import anthropic as codec
-from barrel.pipeline.chat import ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import ReasoningDelta, TextDelta, ToolCallEvent
 from barrel.pipeline.request import (
+    Dialect,
     ImagePart,
     Message,
     Options,
@@ -20,7 +21,6 @@ from barrel.pipeline.request import (
     ToolChoice,
     text,
 )
-from barrel.pipeline.sampling import Dialect
 from tests.codecs.golden import body, finished, stamp, wire
 
 WEATHER = {

@@ -9,8 +9,9 @@ import pytest
 from barrel.errors import InvalidRequest, Unavailable
 from barrel.http.codecs import Begin
 from barrel.http.codecs import ollama as codec
-from barrel.pipeline.chat import ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import ReasoningDelta, TextDelta, ToolCallEvent
 from barrel.pipeline.request import (
+    Dialect,
     Format,
     ImagePart,
     Message,
@@ -19,7 +20,6 @@ from barrel.pipeline.request import (
     TextPart,
     ToolCall,
 )
-from barrel.pipeline.sampling import Dialect
 from tests.codecs.golden import NOW, body, finished, lp, stamp, wire
 
 CREATED = codec.iso_ns(NOW)

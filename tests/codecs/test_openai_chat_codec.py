@@ -9,8 +9,9 @@ import pytest
 from barrel.errors import BarrelError, InvalidRequest, Unavailable
 from barrel.http.codecs import Begin
 from barrel.http.codecs import openai_chat as codec
-from barrel.pipeline.chat import ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import ReasoningDelta, TextDelta, ToolCallEvent
 from barrel.pipeline.request import (
+    Dialect,
     Format,
     ImagePart,
     Message,
@@ -21,7 +22,6 @@ from barrel.pipeline.request import (
     ToolChoice,
     text,
 )
-from barrel.pipeline.sampling import Dialect
 from tests.codecs.golden import body, finished, lp, stamp, wire
 
 WEATHER = {
@@ -107,7 +107,7 @@ def test_images_become_image_parts_and_bad_input_is_a_400_naming_the_field() -> 
     req, _ = codec.decode(body(model="m", messages=[{"role": "user", "content": [image]}]))
     assert req.messages[0].parts == (ImagePart(url="data:image/png;base64,AA"),)
     hi = [{"role": "user", "content": "x"}]
-    choice = {"type": "function", "function": {"name": "nope"}}
+    choice = {"type": "function", "function": {}}  # names no function
     cases: list[tuple[dict[str, Any], str | None]] = [
         ({"messages": hi}, "model"),
         ({"model": "m", "messages": hi, "temperature": 3}, "temperature"),

@@ -7,7 +7,7 @@ import pytest
 from barrel.errors import InvalidRequest
 from barrel.http.codecs import Begin
 from barrel.http.codecs import openai_responses as codec
-from barrel.pipeline.chat import ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import ReasoningDelta, TextDelta, ToolCallEvent
 from barrel.pipeline.request import Format, Message, TextPart, ToolCall, text
 from tests.codecs.golden import body, finished, stamp, wire
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from barrel.errors import BarrelError
-from barrel.pipeline.chat import ChatEvent
+from barrel.pipeline.events import ChatEvent
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class Begin:
     started: float = 0.0  # Stamp.perf() when the request arrived
     load_s: float = 0.0  # time spent waiting for the queue and the load
     prompt: tuple[int, ...] = field(default=())
+    echo: tuple[str, ...] = field(default=())  # per run, the text before its answer
 
 
 class Encoder(Protocol):

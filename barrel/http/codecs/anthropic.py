@@ -22,9 +22,17 @@ import msgspec
 
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp
-from barrel.http.errors import Dialect, error_body
-from barrel.pipeline.chat import ChatEvent, Finished, ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.http.errors import error_body
+from barrel.pipeline.events import (
+    ChatEvent,
+    Finished,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallEvent,
+    Usage,
+)
 from barrel.pipeline.request import (
+    Dialect,
     GenerateRequest,
     ImagePart,
     Message,
@@ -36,8 +44,6 @@ from barrel.pipeline.request import (
     ToolChoice,
     text,
 )
-from barrel.pipeline.sampling import Dialect as Defaults
-from barrel.pipeline.types import Usage
 
 
 class MessagesBody(msgspec.Struct, kw_only=True):
@@ -263,7 +269,7 @@ def decode(
     )
     return GenerateRequest(
         model=body.model,
-        dialect=Defaults.ANTHROPIC,
+        dialect=Dialect.ANTHROPIC,
         messages=messages,
         tools=to_tools(body.tools),
         tool_choice=choice,

@@ -12,15 +12,23 @@ from __future__ import annotations
 import base64
 import json
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from barrel.config import keep_alive_seconds
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp
-from barrel.pipeline.chat import ChatEvent, Finished, ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import (
+    ChatEvent,
+    Finished,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCallEvent,
+)
 from barrel.pipeline.request import (
+    Dialect,
     Format,
     GenerateRequest,
     ImagePart,
@@ -33,8 +41,6 @@ from barrel.pipeline.request import (
     ToolCall,
     text,
 )
-from barrel.pipeline.sampling import Dialect
-from barrel.pipeline.types import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20
 EFFORTS = ("low", "medium", "high")
@@ -74,6 +80,98 @@ def decode_body(raw: bytes, kind: type[Any]) -> Any:
     if not getattr(body, "model", ""):
         raise InvalidRequest("model is required")
     return body
+
+
+# -- model management -------------------------------------------------------------------
+
+
+class CreateBody(msgspec.Struct, kw_only=True):
+    """/api/create's body (Ollama's fields)."""
+
+    model: str = ""
+    name: str = ""  # the older field name
+    modelfile: str | None = None
+    from_: str | None = msgspec.field(default=None, name="from")
+    files: dict[str, str] | None = None
+    adapters: dict[str, str] | None = None
+    template: str | None = None
+    system: str | None = None
+    license: str | list[str] | None = None
+    parameters: dict[str, Any] | None = None
+    messages: list[dict[str, Any]] | None = None
+    quantize: str | None = None
+    stream: bool = True
+
+    @property
+    def licenses(self) -> tuple[str, ...] | None:
+        lic = self.license
+        return None if lic is None else (lic,) if isinstance(lic, str) else tuple(lic)
+
+    @property
+    def roles_and_contents(self) -> tuple[tuple[str, str], ...]:
+        return tuple(
+            (str(m.get("role", "")), str(m.get("content", "")))
+            for m in self.messages or ()
+            if isinstance(m, dict)
+        )
+
+
+def decode_create(raw: bytes) -> CreateBody:
+    try:
+        body = msgspec.json.decode(raw or b"{}", type=CreateBody, strict=False)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"invalid JSON: {exc}") from None
+    if body.quantize:
+        raise InvalidRequest("quantize is not supported: Barrel does not requantize models")
+    return body
+
+
+class Loaded(Protocol):
+    """A loaded model as the daemon reports it (barrel.actors.lifecycle.LoadedModel)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def digest(self) -> str: ...
+    @property
+    def details(self) -> dict[str, Any]: ...
+    @property
+    def expires_at(self) -> float | None: ...
+    @property
+    def context_length(self) -> int: ...
+    @property
+    def active(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def queued(self) -> int: ...
+
+
+def ps_model(m: Loaded) -> dict[str, Any]:
+    """One entry of /api/ps: Ollama's fields, then Barrel's (active, running, queued)."""
+    expires = m.expires_at
+    return {
+        "name": m.name,
+        "model": m.name,
+        "size": m.size,
+        "size_vram": 0,
+        "digest": m.digest,
+        "details": m.details,
+        "expires_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires))
+        if expires
+        else None,
+        "context_length": m.context_length,
+        "active": m.active,
+        "running": m.running,
+        "queued": m.queued,
+    }
+
+
+# -- chat and generate ------------------------------------------------------------------
 
 
 def parse_keep_alive(value: Any) -> float | None:

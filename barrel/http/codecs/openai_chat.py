@@ -1,7 +1,8 @@
 """OpenAI's chat completions as a codec.
 
 Requests decode into the neutral request: developer becomes system, text parts are
-joined, image parts become image parts (refused by the generation path for now),
+joined, image parts become image parts (read by models with a projector, a 400 for
+others),
 assistant tool-call arguments are parsed from their JSON strings. Events encode as a
 `chat.completion`, or as `chat.completion.chunk` frames ending with `[DONE]`: the role
 chunk goes out with the first event, reasoning as `reasoning_content` (as llama-server
@@ -35,8 +36,17 @@ from barrel.http.codecs.openai_common import (
     token_logprobs,
     usage_of,
 )
-from barrel.pipeline.chat import ChatEvent, Finished, ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import (
+    ChatEvent,
+    Finished,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCallEvent,
+    Usage,
+)
 from barrel.pipeline.request import (
+    Dialect,
     Format,
     GenerateRequest,
     ImagePart,
@@ -47,8 +57,6 @@ from barrel.pipeline.request import (
     ToolCall,
     ToolChoice,
 )
-from barrel.pipeline.sampling import Dialect
-from barrel.pipeline.types import TokenLogprob, Usage
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 FINGERPRINT = f"barrel-{__version__}"
@@ -195,20 +203,19 @@ def to_tools(tools: list[dict[str, Any]]) -> tuple[Tool, ...]:
     return tuple(out)
 
 
-def tool_choice_of(choice: Any, tools: tuple[Tool, ...], *, nested: bool = True) -> ToolChoice:
+def tool_choice_of(choice: Any, *, nested: bool = True) -> ToolChoice:
     """auto, none, required or a function: `{"type": "function", "function": {"name"}}`
-    (chat completions), or with the name beside the type (`nested=False`, responses)."""
+    (chat completions), or with the name beside the type (`nested=False`, responses).
+    Whether the function is among the tools is the pipeline's rule (generate.check)."""
     if choice is None:
         return ToolChoice()
     if choice in ("auto", "none", "required"):
         return ToolChoice(choice)
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name") if nested else choice.get("name")
-        if name not in [t.name for t in tools]:
-            raise InvalidRequest(
-                f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
-            )
-        return ToolChoice("function", str(name))
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest("tool_choice must name a function", param="tool_choice")
+        return ToolChoice("function", name)
     raise InvalidRequest(
         "tool_choice must be auto, none, required or a function", param="tool_choice"
     )
@@ -260,7 +267,7 @@ def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest
         dialect=Dialect.OPENAI,
         messages=to_messages(body.messages),
         tools=tools,
-        tool_choice=tool_choice_of(body.tool_choice, tools),
+        tool_choice=tool_choice_of(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         format=format_of(body.response_format),
         options=options_of(body),

@@ -10,9 +10,9 @@ import msgspec
 
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import Comment, Data
-from barrel.http.errors import Dialect, error_body
-from barrel.pipeline.request import Options
-from barrel.pipeline.types import TokenLogprob, Usage
+from barrel.http.errors import error_body
+from barrel.pipeline.events import TokenLogprob, Usage
+from barrel.pipeline.request import Dialect, Options
 
 MAX_N = 8  # choices per request (each one is a sequence of the engine)
 MAX_TOP_LOGPROBS = 20

@@ -32,8 +32,9 @@ from barrel.http.codecs.openai_common import (
     options_of,
     progress,
 )
-from barrel.pipeline.chat import ChatEvent, Finished, ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import ChatEvent, Finished, ReasoningDelta, TextDelta, ToolCallEvent
 from barrel.pipeline.request import (
+    Dialect,
     Format,
     GenerateRequest,
     Message,
@@ -42,7 +43,6 @@ from barrel.pipeline.request import (
     ToolCall,
     text,
 )
-from barrel.pipeline.sampling import Dialect
 
 
 class PreviousResponseNotFound(InvalidRequest):
@@ -188,7 +188,7 @@ def decode(
         dialect=Dialect.OPENAI,
         messages=tuple(messages),
         tools=tools,
-        tool_choice=tool_choice_of(body.tool_choice, tools, nested=False),
+        tool_choice=tool_choice_of(body.tool_choice, nested=False),
         parallel_tool_calls=body.parallel_tool_calls,
         format=_format(body.text),
         options=options_of(body),

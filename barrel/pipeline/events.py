@@ -1,0 +1,81 @@
+"""What a generation yields, as the dialects' codecs read it: text, reasoning and tool
+calls as they come, then `Finished`; with the usage and log-probability values they
+carry.
+
+A leaf: it imports nothing of Barrel, so the codecs (barrel.http.codecs) load, and their
+golden suites run, where llama.cpp is not installed. The engine has value types of its
+own (barrel.engine.types); the pipeline turns them into these (barrel.pipeline.chat,
+barrel.pipeline.complete), so no engine type reaches HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token with its log-probability given the tokens before it, and the top ones.
+    `logprob` is None only for a prompt's first token (nothing before it)."""
+
+    token: int
+    text: str
+    logprob: float | None
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_reused: int  # taken from the KV cache (a parked sequence or the state cache)
+    prompt_computed: int  # prefilled this time
+    # Why less was reused than a prefix matched ("" when reuse went as planned).
+    reuse_note: str = ""
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    # log-probabilities of the tokens generated since the previous event (when asked)
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallEvent:
+    """A whole tool call the model made: `arguments` is its JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # stop | length | tool_calls | cancelled
+    usage: Usage
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stop_sequence: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # those not yet attached to a TextDelta
+    # the whole sequence: the prompt (with any reasoning step) and the answer's tokens,
+    # an end-of-generation token left out (Ollama's /api/generate `context`)
+    context: tuple[int, ...] = ()
+    # a completion's prompt scored (Completion.prompt_logprobs): one entry per prompt
+    # token, the first without a logprob
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+ChatEvent = TextDelta | ReasoningDelta | ToolCallEvent | Finished
