@@ -138,6 +138,7 @@ def start_daemon(
     defaults: str = "",
     n: int = 0,
     env: dict[str, str] | None = None,
+    ctx: int = CTX,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """The `n`th Barrel daemon of a bench (its own port and config), with `defaults`
     added to its `[models.defaults]` (TOML lines) and `env` added to its environment."""
@@ -145,7 +146,7 @@ def start_daemon(
     config = tmp / f"bench{n}.toml"
     config.write_text(
         f'[server]\naccess_log = false\n[models]\ncache_root = "{tmp / f"store{n}"}"\n'
-        f"max_context_size = {CTX}\n[models.defaults]\nnum_seq_max = {clients}\n{defaults}\n"
+        f"max_context_size = {ctx}\n[models.defaults]\nnum_seq_max = {clients}\n{defaults}\n"
     )
     proc = subprocess.Popen(
         [

@@ -19,7 +19,14 @@ round's ratio), with the rounds' values beside them:
 - the time to first token of a ~1,900-token prompt neither server has seen (cold);
 - a code edit (the answer repeats most of a given file), one stream, tokens/s; against
   llama-server without and with its n-gram speculation;
-- churn: 4 streams asking new ~300-token prompts one after another, tokens/s.
+- churn: 4 streams asking new ~300-token prompts one after another, tokens/s;
+- prefill: cold prompts of ~512, ~2k and ~4k tokens (and ~8k with `--ctx 8192` or
+  more), one at a time, prompt tokens computed per second (the prompt's tokens over the
+  time to first token; every round and size a document neither server has seen);
+- arrivals: requests arriving as a Poisson process (16 at 0.25/s, below saturation, and
+  16 at 1/s, above it), prompts of ~300-2,600 distinct tokens, 64 tokens out with
+  `ignore_eos`, the same schedule for every server: time to first token p50 and p99,
+  the p99 gap between two streamed tokens, and output tokens/s over the whole run.
 
 `--barrel default,shared` runs several Barrel daemons side by side, each
 with its own settings (VARIANTS), every one compared with the same llama-server rounds.
@@ -29,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -44,7 +53,7 @@ from pathlib import Path
 
 import aiohttp
 
-from barrel.engine.model import TILED_MATMUL_ENV
+from barrel.engine.model import BATCH_INVARIANT_ENV, TILED_MATMUL_ENV
 from barrel.store import bundled
 from bench.http import CTX, start_daemon, wait_ready
 
@@ -53,6 +62,7 @@ PARALLEL = 8
 # Barrel daemons a run may put side by side: [models.defaults] lines of each
 VARIANTS = {
     "default": "",  # on a CPU: a KV stream per sequence, flash attention off
+    "invariant": "",  # batch-invariant kernels: no tiled matmul, no repacked weights
     "shared": "kv_per_sequence = false",  # one KV stream for all, flash attention on
     "shared-flash-off": 'kv_per_sequence = false\nflash_attn = "off"',
     "per-sequence-flash-on": 'kv_per_sequence = true\nflash_attn = "on"',  # llama-server's
@@ -60,11 +70,15 @@ VARIANTS = {
     "extra-buffers-flash-on": 'extra_buffers = true\nflash_attn = "on"',
     "tiled": "",  # ggml's tiled K-quant matmul on (llama.cpp's default), see VARIANT_ENV
     "extra-buffers-tiled": "extra_buffers = true",  # both prefill kernels llama-server has
+    # llama-server's kernels: repacked weights, the tiled matmul and flash attention
+    "llama-kernels": 'extra_buffers = true\nflash_attn = "on"',
 }
 # ... and the environment of each, where it differs
 VARIANT_ENV = {
+    "invariant": {BATCH_INVARIANT_ENV: "1"},
     "tiled": {TILED_MATMUL_ENV: "1"},
     "extra-buffers-tiled": {TILED_MATMUL_ENV: "1"},
+    "llama-kernels": {TILED_MATMUL_ENV: "1"},
 }
 FILE = "\n\n".join(
     f'''def shape_{i}(width, height):
@@ -124,10 +138,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_llama_server(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_llama_server(
+    model: Path, *extra: str, ctx: int = CTX
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [str(llama_server()), "-m", str(model), "--port", str(port)]
-    command += ["-c", str(CTX * PARALLEL), "-np", str(PARALLEL), "--jinja", *extra]
+    command += ["-c", str(ctx * PARALLEL), "-np", str(PARALLEL), "--jinja", *extra]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -236,16 +252,129 @@ async def cold_ttft(session: aiohttp.ClientSession, url: str, round_no: int) -> 
     return first
 
 
+WORDS = [
+    "river",
+    "stone",
+    "cloud",
+    "orange",
+    "market",
+    "window",
+    "garden",
+    "copper",
+    "lamp",
+    "field",
+    "ledger",
+    "harbour",
+    "pepper",
+    "violet",
+    "anchor",
+    "meadow",
+]
+TOKENS_A_LINE = 13.2  # Qwen2.5's tokens in one line of `document`, measured
+
+
+def document(tokens: int, seed: int) -> str:
+    """About `tokens` tokens of ledger lines drawn from `seed`: a text no server has seen
+    unless the seed repeats."""
+    rnd = random.Random(seed)
+    return "\n".join(
+        f"{rnd.choice(WORDS)} {rnd.randint(0, 9999)} went to {rnd.choice(WORDS)} "
+        f"{rnd.randint(0, 99)}."
+        for _ in range(max(1, round(tokens / TOKENS_A_LINE)))
+    )
+
+
+async def first_token(
+    session: aiohttp.ClientSession, url: str, body: dict[str, object]
+) -> tuple[float, list[float], int]:
+    """One streamed chat: (time to first content, the arrival time of each content chunk
+    after the first, prompt tokens from the usage)."""
+    body = {"model": "qwen", "temperature": 0, **body, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    start = time.perf_counter()
+    first, arrivals, prompt = 0.0, [], 0
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            frame = json.loads(line[6:])
+            prompt = (frame.get("usage") or {}).get("prompt_tokens") or prompt
+            choices = frame.get("choices") or [{}]
+            if (choices[0].get("delta") or {}).get("content"):
+                now = time.perf_counter() - start
+                if first:
+                    arrivals.append(now)
+                first = first or now
+    return first, arrivals, prompt
+
+
+async def cold_prefill(session: aiohttp.ClientSession, url: str, round_no: int, size: int) -> float:
+    """Prompt tokens computed per second on a cold prompt of about `size` tokens."""
+    ask = f"{document(size - 24, round_no * 1000 + size)}\nWhich entry has the largest number?"
+    ttft, _, prompt = await first_token(
+        session, url, {"messages": [{"role": "user", "content": ask}], "max_tokens": 1}
+    )
+    return prompt / ttft
+
+
+def arrival_plan(rate: float, count: int, seed: int) -> list[tuple[float, int]]:
+    """(seconds after the start, prompt tokens) of `count` requests arriving as a Poisson
+    process of `rate` a second, prompts of 300-2,600 tokens."""
+    rnd = random.Random(seed)
+    at, plan = 0.0, []
+    for _ in range(count):
+        plan.append((at, rnd.randint(300, 2600)))
+        at += rnd.expovariate(rate)
+    return plan
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)] if ordered else 0.0
+
+
+async def arrivals(
+    session: aiohttp.ClientSession, url: str, round_no: int, rate: float, count: int = 16
+) -> dict[str, float]:
+    """Requests on the schedule of `arrival_plan` (the same for every server in a round),
+    each a new document answered in 64 tokens with `ignore_eos`."""
+    plan = arrival_plan(rate, count, round_no)
+    start = time.perf_counter()
+
+    async def one(i: int, at: float, size: int) -> tuple[float, list[float], int]:
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+        text = f"{document(size, 10_000 * (round_no + 1) + i)}\nSummarise these entries."
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 64}
+        ttft, chunks, _ = await first_token(session, url, {**body, "ignore_eos": True})
+        return ttft, [ttft, *chunks], len(chunks) + 1
+
+    done = await asyncio.gather(*(one(i, at, size) for i, (at, size) in enumerate(plan)))
+    elapsed = time.perf_counter() - start
+    ttfts = [ttft for ttft, _, _ in done]
+    gaps = [b - a for _, times, _ in done for a, b in itertools.pairwise(times)]
+    return {
+        "TTFT p50 ms": 1000 * statistics.median(ttfts),
+        "TTFT p99 ms": 1000 * percentile(ttfts, 0.99),
+        "gap p99 ms": 1000 * percentile(gaps, 0.99),
+        "tok/s": sum(n for _, _, n in done) / elapsed,
+    }
+
+
 async def code_edit(session: aiohttp.ClientSession, url: str, n: int) -> float:
     start = time.perf_counter()
     _, chunks, end, _ = await stream(session, url, [{"role": "user", "content": CODE_EDIT}], n)
     return chunks / (end - start)
 
 
-Workload = Callable[[aiohttp.ClientSession, str, int], Awaitable[float]]
+# a value, or several named ones (each compared as "<key> <name>")
+Workload = Callable[[aiohttp.ClientSession, str, int], Awaitable[float | dict[str, float]]]
+PREFILL_SIZES = {"512": 512, "2k": 2048, "4k": 3968, "8k": 8000}
+ARRIVAL_RATES = {"0.25/s": 0.25, "1/s": 1.0}
 
 
-def workloads(names: set[str], tokens: int) -> list[tuple[str, Workload]]:
+def workloads(names: set[str], tokens: int, ctx: int = CTX) -> list[tuple[str, Workload]]:
     """(result key, run(session, url, round) -> value) of each measurement asked for."""
 
     def streams(clients: int) -> Workload:
@@ -269,6 +398,18 @@ def workloads(names: set[str], tokens: int) -> list[tuple[str, Workload]]:
     async def new_prompts(s: aiohttp.ClientSession, url: str, r: int) -> float:
         return await churn(s, url, r)
 
+    def prefill(size: int) -> Workload:
+        async def run(s: aiohttp.ClientSession, url: str, r: int) -> float:
+            return await cold_prefill(s, url, r, size)
+
+        return run
+
+    def arriving(rate: float) -> Workload:
+        async def run(s: aiohttp.ClientSession, url: str, r: int) -> dict[str, float]:
+            return await arrivals(s, url, r, rate)
+
+        return run
+
     plan: list[tuple[str, Workload]] = []
     if "streams" in names:
         plan += [(f"{c} streams tok/s", streams(c)) for c in (1, 4, 8)]
@@ -280,6 +421,14 @@ def workloads(names: set[str], tokens: int) -> list[tuple[str, Workload]]:
         plan.append(("code edit tok/s", edit))
     if "churn" in names:
         plan.append(("churn tok/s", new_prompts))
+    if "prefill" in names:
+        plan += [
+            (f"prefill {label} tok/s", prefill(size))
+            for label, size in PREFILL_SIZES.items()
+            if size + 64 <= ctx
+        ]
+    if "arrivals" in names:
+        plan += [(f"arrivals {label}", arriving(rate)) for label, rate in ARRIVAL_RATES.items()]
     return plan
 
 
@@ -292,15 +441,18 @@ async def measure(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         barrels = {
             f"barrel {v}": start_daemon(
-                Path(tmp), model, PARALLEL, VARIANTS[v], n, VARIANT_ENV.get(v)
+                Path(tmp), model, PARALLEL, VARIANTS[v], n, VARIANT_ENV.get(v), ctx=args.ctx
             )
             for n, v in enumerate(args.barrel)
         }
         servers = {
             **barrels,
-            "llama-server": start_llama_server(model),
-            "llama-server+ngram": start_llama_server(model, "--spec-type", "ngram-simple"),
+            "llama-server": start_llama_server(model, ctx=args.ctx),
         }
+        if "code-edit" in args.workloads:
+            servers["llama-server+ngram"] = start_llama_server(
+                model, "--spec-type", "ngram-simple", ctx=args.ctx
+            )
         try:
             # a new connection per request: llama-server drops idle keep-alive ones
             connector = aiohttp.TCPConnector(force_close=True)
@@ -309,7 +461,7 @@ async def measure(args: argparse.Namespace) -> None:
                     ready = "/health/ready" if name in barrels else "/health"
                     await wait_ready(session, url, ready, timeout=120)
                     await throughput(session, url, 1, 8)  # warm-up (Barrel loads the model)
-                plan = workloads(args.workloads, args.tokens)
+                plan = workloads(args.workloads, args.tokens, args.ctx)
                 pids = [proc.pid for proc, _ in servers.values()]
                 for r in range(args.rounds):
                     # one workload at a time on every server, so that the drift of a
@@ -330,7 +482,10 @@ async def measure(args: argparse.Namespace) -> None:
                                 value = await task
                             else:
                                 value = await run(session, url, r)
-                            results.setdefault(name, {}).setdefault(key, []).append(value)
+                            values = value if isinstance(value, dict) else {"": value}
+                            for part, v in values.items():
+                                line = f"{key} {part}" if part else key
+                                results.setdefault(name, {}).setdefault(line, []).append(v)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
@@ -440,7 +595,11 @@ def main() -> None:
         "--workloads",
         type=lambda text: set(text.split(",")),
         default={"streams", "follow-up", "cold", "code-edit", "churn"},
-        help="comma-separated: streams, follow-up, cold, code-edit, churn (default: all)",
+        help="comma-separated: streams, follow-up, cold, code-edit, churn, prefill, arrivals"
+        " (default: the first five)",
+    )
+    parser.add_argument(
+        "--ctx", type=int, default=CTX, help="context per sequence (8192+ adds the ~8k prefill)"
     )
     args = parser.parse_args()
     if unknown := set(args.barrel) - set(VARIANTS):

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import statistics
 
-from bench.peers import interval, micro_batches
+from bench.peers import (
+    TOKENS_A_LINE,
+    arrival_plan,
+    document,
+    interval,
+    micro_batches,
+    percentile,
+)
 
 
 def test_rounds_that_agree_give_a_point() -> None:
@@ -41,3 +48,27 @@ def test_a_gap_in_the_ids_costs_a_micro_batch() -> None:
     assert micro_batches([2, 5, 6, 7]) == 2
     assert micro_batches([0, 2, 4, 6]) == 4
     assert micro_batches([]) == 0
+
+
+def test_an_arrival_plan_is_the_same_schedule_for_every_server_of_a_round() -> None:
+    plan = arrival_plan(0.25, 16, 3)
+    assert plan == arrival_plan(0.25, 16, 3)
+    assert plan != arrival_plan(0.25, 16, 4)
+    assert plan[0][0] == 0.0
+    assert [at for at, _ in plan] == sorted(at for at, _ in plan)
+    assert all(300 <= size <= 2600 for _, size in plan)
+    faster = arrival_plan(1.0, 400, 3)
+    assert 300 < faster[-1][0] < 500  # about one a second
+
+
+def test_percentiles_of_a_few_values_are_values_seen() -> None:
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([float(i) for i in range(1, 101)], 0.99) == 99.0
+    assert percentile([5.0], 0.99) == 5.0
+
+
+def test_documents_are_new_text_of_about_the_size_asked() -> None:
+    assert document(2048, 1) == document(2048, 1)
+    assert document(2048, 1) != document(2048, 2)
+    lines = document(2048, 1).count("\n") + 1
+    assert abs(lines * TOKENS_A_LINE - 2048) < TOKENS_A_LINE
