@@ -102,6 +102,11 @@ class SupervisionConfig(_Section, frozen=True):
 class ModelDefaults(_Section, frozen=True):
     num_seq_max: int = 4
     num_batch: int = 512
+    # While other requests generate, a step takes about this long of a new prompt (its
+    # chunk sized by what prompt rows cost lately, at least 128 rows): a longer step
+    # gives new prompts their first token sooner and the running streams a longer pause.
+    # 0: 128 prompt rows a step.
+    prefill_step_s: float = 2.0
     num_thread: int = 0  # 0: the machine's cores
     kv_cache_type: str = "f16"  # f16 | q8_0 | q4_0
     flash_attn: str = "auto"  # auto | on | off
@@ -116,10 +121,11 @@ class ModelDefaults(_Section, frozen=True):
     kv_per_sequence: bool | Literal["auto"] = "auto"
     speculation: str = "ngram"  # ngram (prompt-lookup drafts) | off
     # true: load weights into llama.cpp's extra (CPU repack) buffers, as llama-server
-    # does: faster steps of many streams, but a greedy answer then depends on how many
-    # sequences shared its steps (guides/performance.md). "auto": true except on CPUs
-    # with AMX (the pinned llama.cpp build crashes with them there).
-    extra_buffers: bool | Literal["auto"] = False
+    # does: faster prompts, but a greedy answer then depends on how many sequences
+    # shared its steps (guides/performance.md). "auto": true unless the daemon is
+    # batch-invariant ([models] batch_invariant) or the CPU has AMX (the pinned
+    # llama.cpp build crashes with them there).
+    extra_buffers: bool | Literal["auto"] = "auto"
     draft_max: int = 64  # draft tokens verified per step at most
     queue_depth: int = 16  # requests that may wait per model beyond num_seq_max running
     queue_timeout_s: float = 300.0  # a request waiting longer gets 503
@@ -159,6 +165,12 @@ class ModelsConfig(_Section, frozen=True):
     # New model files (created, pulled) must load and run in a child process first: an
     # abort inside llama.cpp then fails the create or pull instead of the daemon.
     trial_load: bool = True
+    # true: a row's logits never depend on what shares its decode step (ggml's tiled
+    # matmul and the repacked weight buffers off): a greedy answer is the same alone,
+    # beside other streams and under speculation, and long prompts are read 12-40 %
+    # slower on a CPU. false: llama.cpp's own kernels, as llama-server runs them. One
+    # choice for the whole daemon, made at start (BARREL_BATCH_INVARIANT=1|0 wins).
+    batch_invariant: bool = False
     defaults: ModelDefaults = msgspec.field(default_factory=ModelDefaults)
     # Alias name -> model name.
     aliases: dict[str, str] = msgspec.field(
@@ -288,6 +300,8 @@ def validate(config: Config, source: str) -> None:
         errors.append("responses: store_ttl_s > 0 and max_stored >= 0 required")
     if config.models.max_context_size < 64:
         errors.append("models.max_context_size: must be at least 64")
+    if not 0 <= config.models.defaults.prefill_step_s <= 60:
+        errors.append("models.defaults.prefill_step_s: must be 0 to 60")
     if config.models.defaults.num_seq_max < 1:
         errors.append("models.defaults.num_seq_max: must be at least 1")
     if config.models.defaults.kv_cache_type not in ("f16", "q8_0", "q4_0"):

@@ -23,6 +23,7 @@ from barrel.actors.supervisor import ChildSpec, SupervisorEnv
 from barrel.actors.timers import Timers
 from barrel.actors.tree import daemon_tree
 from barrel.config import Config
+from barrel.engine.model import configure_kernels
 from barrel.engine.residency import ResidencyTracker
 from barrel.futures import ToLoop
 from barrel.metrics import Metrics
@@ -50,6 +51,7 @@ def build_services(
     tree: TreeBuilder | None = None,
 ) -> Services:
     """`tree` replaces the daemon's tree (tests); `local_models` add to the config's."""
+    configure_kernels(config.models.batch_invariant)  # before any model loads
     models = {**config.models.local, **(local_models or {})}
     store = ModelStore(config.cache_root, config.import_dir, trial_load=config.models.trial_load)
     timers = Timers()

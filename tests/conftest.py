@@ -9,8 +9,14 @@ import pykka
 import pytest
 
 from barrel.actors.supervisor import Supervisor
+from barrel.engine.model import BATCH_INVARIANT_ENV
 from barrel.store import bundled
 from barrel.store.synthetic import tiny_model
+
+# The suite compares greedy answers across batch shapes (alone, beside other streams,
+# under speculation): every daemon and engine it starts, in this process or a child,
+# runs batch-invariant kernels. tests/test_kernels.py starts one with llama.cpp's.
+os.environ[BATCH_INVARIANT_ENV] = "1"
 
 
 @pytest.fixture(autouse=True)

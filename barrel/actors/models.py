@@ -29,6 +29,7 @@ from barrel.actors.model_session import ModelCaches, ModelSession
 from barrel.actors.runtime import Runtime
 from barrel.config import Config, keep_alive_seconds
 from barrel.engine.errors import EngineStopped
+from barrel.engine.model import batch_invariant
 from barrel.engine.residency import ResidencyTracker
 from barrel.errors import BarrelError
 from barrel.metrics import Metrics
@@ -178,6 +179,7 @@ class Models:
             )
         return {
             "models": models,
+            "batch_invariant": batch_invariant(),
             "recent_requests": list(metrics.recent)[::-1],
             "pulls": await self.manage.pulls(),
             "restarts": dict(metrics.restart_counts),

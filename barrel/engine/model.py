@@ -52,18 +52,58 @@ def log_callback() -> object:
 
 
 # ggml's CPU "tiled" K-quant matmul (GGML_CPU_TILED_MM, on by default in llama.cpp) takes
-# every step of 8 rows or more: it unpacks the weights again on each step, which made
-# eight streams of a Q4_K_M model ~15 % slower on two cores than ggml's per-row dot
-# products, and rounds differently from them, so a row's logits depended on whether 7
-# other rows shared its step. Off unless the environment says otherwise; ggml reads it
-# once, at its first matmul (guides/performance.md, "The tiled K-quant matmul").
+# every product of 8 rows or more: 15-30 % faster prefill chunks of Qwen2.5-Coder-0.5B
+# on two cores, ~10 % slower steps of eight streams, and it rounds differently from the
+# per-row dot products, so a row's logits depend on whether 7 other rows share its step
+# (guides/performance.md, "The tiled K-quant matmul" and "Long prompts"). ggml reads the
+# variable once, at its first matmul: a process-wide choice (`configure_kernels`).
 TILED_MATMUL_ENV = "GGML_CPU_TILED_MM"
+# The environment's word on `configure_kernels` (1: batch-invariant, 0: llama.cpp's
+# kernels), over the configuration: a fleet or a test suite pins it.
+BATCH_INVARIANT_ENV = "BARREL_BATCH_INVARIANT"
+
+_batch_invariant: bool | None = None  # None: not configured (batch-invariant)
+
+
+def configure_kernels(invariant: bool) -> bool:
+    """Choose this process's CPU kernels, before the first model loads. Batch-invariant:
+    a row's logits never depend on what shares its step (the tiled matmul and the
+    repacked weight buffers off), so a greedy answer is the same alone, beside other
+    streams and under speculation; else llama.cpp's own kernels, as llama-server runs
+    them: faster prompts. `BARREL_BATCH_INVARIANT` in the environment wins; so does
+    `GGML_CPU_TILED_MM` for the tiled matmul. Returns the choice."""
+    global _batch_invariant
+    word = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()
+    if word in ("1", "true", "on", "yes"):
+        invariant = True
+    elif word in ("0", "false", "off", "no"):
+        invariant = False
+    if _backend_ready and invariant != batch_invariant():
+        logger.warning(
+            "kernels: batch_invariant=%s comes after the first model load; "
+            "the tiled matmul keeps its first setting",
+            invariant,
+        )
+    _batch_invariant = invariant
+    logger.info(
+        "kernels: %s",
+        "batch-invariant (no tiled matmul, no repacked weights)"
+        if invariant
+        else "llama.cpp's (tiled matmul, repacked weights, as llama-server)",
+    )
+    return invariant
+
+
+def batch_invariant() -> bool:
+    """The process's choice (`configure_kernels`); batch-invariant until one is made."""
+    return _batch_invariant is None or _batch_invariant
 
 
 def _init_backend() -> None:
     global _backend_ready
     if not _backend_ready:
-        os.environ.setdefault(TILED_MATMUL_ENV, "0")
+        if batch_invariant():
+            os.environ.setdefault(TILED_MATMUL_ENV, "0")
         ll.llama_backend_init()
         ll.llama_log_set(_log, ctypes.c_void_p(0))
         _backend_ready = True
@@ -90,17 +130,19 @@ class ModelOptions:
     load_mode: LoadMode = LoadMode.MMAP
     # llama.cpp's "extra" weight buffers (CPU repack, AMX), as llama-server loads: the
     # Q4_K weights of a Q4_K_M file then decode from an interleaved copy made at load,
-    # ~7-10 % faster prefill of Qwen2.5-Coder-0.5B on two cores (steps of eight streams:
-    # the same, with the tiled matmul off, see TILED_MATMUL_ENV). Off by default: the
+    # ~7-10 % faster prefill of Qwen2.5-Coder-0.5B on two cores with the tiled matmul
+    # off, and steps of eight streams ~5-10 % faster with it on (TILED_MATMUL_ENV). The
     # repacked kernels round a row differently by how many rows share the step, so a
-    # greedy answer would depend on what else runs beside it (guides/performance.md).
-    # None: on, except on CPUs with AMX, where the 0.3.36 build crashes in llama_decode
-    # with them.
+    # greedy answer depends on what else runs beside it (guides/performance.md). None:
+    # on unless the process is batch-invariant (`configure_kernels`) or the CPU has AMX,
+    # where the 0.3.36 build crashes in llama_decode with them.
     extra_buffers: bool | None = False
     vocab_only: bool = False
 
     def uses_extra_buffers(self) -> bool:
-        return not cpu_has_amx() if self.extra_buffers is None else self.extra_buffers
+        if self.extra_buffers is None:
+            return not batch_invariant() and not cpu_has_amx()
+        return self.extra_buffers
 
 
 @functools.cache

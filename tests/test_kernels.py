@@ -1,0 +1,76 @@
+"""Which CPU kernels a daemon runs: llama.cpp's own by default (faster prompts), or
+batch-invariant ones when asked (a greedy answer independent of its step's neighbours).
+The rest of the suite runs batch-invariant (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from barrel.engine import model as kernels
+from barrel.engine.model import BATCH_INVARIANT_ENV, ModelOptions, cpu_has_amx
+from tests.daemon import Daemon
+
+
+def test_the_environment_wins_over_the_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+        assert kernels.configure_kernels(False) is True
+        assert ModelOptions(extra_buffers=None).uses_extra_buffers() is False
+        monkeypatch.setenv(BATCH_INVARIANT_ENV, "0")
+        assert kernels.configure_kernels(True) is False
+        # "auto" repacks the weights with llama.cpp's kernels, except where AMX crashes
+        assert ModelOptions(extra_buffers=None).uses_extra_buffers() is not cpu_has_amx()
+        monkeypatch.setenv(BATCH_INVARIANT_ENV, "")
+        assert kernels.configure_kernels(False) is False
+        assert ModelOptions(extra_buffers=True).uses_extra_buffers() is True
+        assert ModelOptions().uses_extra_buffers() is False  # the library's default
+    finally:
+        monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+        kernels.configure_kernels(True)
+    assert kernels.batch_invariant()
+
+
+def _daemon(tmp: Path, model: Path, models_toml: str) -> Daemon:
+    config = tmp / "barrel.toml"
+    config.write_text(f'[models]\ncache_root = "{tmp / "cache"}"\n{models_toml}\n')
+    # no word from the environment: the configuration decides (ggml's own default for
+    # the tiled matmul, which this test process pinned off for its children)
+    env = {BATCH_INVARIANT_ENV: "", "GGML_CPU_TILED_MM": "1"}
+    d = Daemon(
+        "--config", str(config), "--model", f"m={model}", "--log-level", "info", cwd=tmp, env=env
+    )
+    d.wait_listening()
+    return d
+
+
+@pytest.mark.real_model
+def test_a_default_daemon_answers_with_llama_cpp_s_kernels(tmp_path: Path, qwen_path: Path) -> None:
+    d = _daemon(tmp_path, qwen_path, "")
+    try:
+        d.wait_line(r"kernels: llama\.cpp's")
+        client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", timeout=120)
+        answer = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "What is 2+2? Answer with the number only."}],
+            temperature=0,
+            max_tokens=8,
+        )
+        assert "4" in (answer.choices[0].message.content or "")
+        status = httpx.get(d.url + "/api/status", timeout=30).json()
+        assert status["batch_invariant"] is False
+    finally:
+        d.kill()
+
+
+def test_batch_invariance_is_a_setting(tmp_path: Path, tiny_path: Path) -> None:
+    d = _daemon(tmp_path, tiny_path, "batch_invariant = true")
+    try:
+        d.wait_line(r"kernels: batch-invariant")
+        status = httpx.get(d.url + "/api/status", timeout=30).json()
+        assert status["batch_invariant"] is True
+    finally:
+        d.kill()
