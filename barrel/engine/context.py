@@ -65,6 +65,11 @@ class EngineOptions:
     swa_full: bool = False
     # Prompt tokens per step while other sequences generate: bounds their stall.
     prefill_chunk: int = 128
+    # While others generate, size a step's prompt rows to take about this long, at the
+    # rate prompt rows cost lately (never fewer than prefill_chunk): a new prompt's first
+    # token comes sooner when steps are quick, and no step stalls the streams much longer
+    # than this. 0: prefill_chunk rows a step.
+    prefill_step_s: float = 0.0
     # When a request wakes an idle engine, wait up to this long for the requests of other
     # open sessions (Engine.expect) to join its first step: concurrent clients arrive a
     # few milliseconds apart, and one that misses the step waits a whole decode step for
@@ -96,9 +101,7 @@ class EngineOptions:
     mmproj: Path | None = None
     # A KV stream of n_ctx cells for each sequence (the context is allocated n_seq_max
     # + max_pins times, as llama-server's -np does) instead of one stream all share:
-    # no sequence's attention spans another's cells. With flash_attn "auto" on a CPU,
-    # flash attention is then off: the CPU flash-attention kernel walks the cache a cell
-    # at a time, so prefills run faster as matrix products (guides/performance.md).
+    # no sequence's attention spans another's cells.
     kv_per_sequence: bool = False
 
 
@@ -131,7 +134,9 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
     params.n_threads_batch = threads
     params.type_k = _KV_TYPES[opts.kv_type]
     params.type_v = _KV_TYPES[opts.kv_type]
-    params.flash_attn_type = _FLASH[flash_attention(model, opts)]
+    # auto: on wherever the backend has it, the CPU included (guides/performance.md,
+    # "Long prompts": faster prompts, ~50 ms slower short follow-ups)
+    params.flash_attn_type = _FLASH[opts.flash_attn]
     params.kv_unified = unified
     params.swa_full = opts.swa_full
     params.no_perf = True
@@ -157,15 +162,6 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context for {model.path.name}")
     return ctx
-
-
-def flash_attention(model: LlamaModel, opts: EngineOptions) -> str:
-    """The flash-attention setting a context gets: "auto" with a KV stream per sequence
-    and no GPU is "off" (see EngineOptions.kv_per_sequence)."""
-    plain = opts.kv_type is KVType.F16 and not opts.embedding  # a quantized V needs flash
-    if opts.flash_attn == "auto" and opts.kv_per_sequence and runs_on_cpu(model.options) and plain:
-        return "off"
-    return opts.flash_attn
 
 
 def runs_on_cpu(options: ModelOptions) -> bool:
