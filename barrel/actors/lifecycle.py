@@ -227,6 +227,7 @@ class Lifecycle:
             n_ctx=n_ctx,
             n_batch=int(params.get("num_batch", d.num_batch)),
             n_ubatch=int(params.get("num_batch", d.num_batch)),
+            prefill_step_s=d.prefill_step_s,
             n_seq_max=int(params.get("num_seq_max", d.num_seq_max)),
             threads=int(params.get("num_thread", d.num_thread)),
             kv_type=KVType(kv_type),

@@ -200,6 +200,10 @@ Entry = tuple[Run, int, int]
 GAP_STEPS = 2
 GAP_RETRY_STEPS = 64  # after a gap could not be closed
 
+# Steps with fewer prompt rows do not time a prompt row (`Engine._prefill_budget`): a
+# step of a few rows costs a pass over the weights, whatever its rows.
+MIN_TIMED_ROWS = 64
+
 
 class Engine:
     """One model, one context, one thread."""
@@ -274,6 +278,8 @@ class Engine:
         # for next_turn_delay_s
         self._turns: deque[_Turn] = deque(maxlen=opts.n_seq_max)
         self._pin_entries: list[tuple[_PinJob, int]] = []
+        self._prompt_rows = 0  # prompt rows in the batch being built (_fill_batch)
+        self._row_s = 0.0  # seconds a row of steps with prompt rows costs lately
         self.crashed: BaseException | None = None
         self.steps = 0  # decode steps done
         self._gap_steps = 0  # steps the running sequences' ids have not been one run
@@ -715,6 +721,9 @@ class Engine:
             entries = self._decode(entries)
             elapsed = time.monotonic() - start
             self.steps += 1
+            if self._prompt_rows >= MIN_TIMED_ROWS:
+                rate = elapsed / self._batch.n
+                self._row_s = rate if self._row_s <= 0 else (self._row_s + rate) / 2
             for run, index, n_tokens in entries:
                 if run.logit_rows:
                     self._prompt_logprobs(run)
@@ -772,7 +781,7 @@ class Engine:
                 run.draft = self._draft(run, room)
             room -= len(run.draft)
             planned.append(run)
-        budget = min(room, self.options.prefill_chunk) if planned else room
+        budget = min(room, self._prefill_budget()) if planned else room
         if self.projector is not None:
             self._images(lora)
         chunks: list[tuple[Run, int]] = []
@@ -783,6 +792,7 @@ class Engine:
             if take:
                 chunks.append((run, take))
                 budget -= take
+        self._prompt_rows = sum(take for _, take in chunks)
         pins: list[tuple[_PinJob, int]] = []
         for job in self._pinning:
             if budget <= 0 or lora != self._lora_default:
@@ -822,6 +832,16 @@ class Engine:
             # Only pins in this batch: llama_decode needs one output somewhere.
             b.raw.logits[b.n - 1] = True
         return entries
+
+    def _prefill_budget(self) -> int:
+        """Prompt rows a step takes beside generating sequences: `prefill_chunk`, or
+        with `prefill_step_s` as many as take about that long at the rate rows of such
+        steps have cost lately (a step's cost per row grows with the cells it attends
+        to), never fewer than `prefill_chunk`."""
+        opts = self.options
+        if opts.prefill_step_s <= 0 or self._row_s <= 0:
+            return opts.prefill_chunk
+        return max(opts.prefill_chunk, int(opts.prefill_step_s / self._row_s))
 
     def _close_gap(self) -> None:
         """Join the running sequences' ids into one run (one micro-batch a step) once a

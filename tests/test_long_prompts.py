@@ -1,0 +1,110 @@
+"""A long prompt reads the same whatever else the engine does meanwhile: alone, beside
+running streams (its prompt cut into chunks sized by `prefill_step_s`) and after a
+neighbour cancelled in the middle of its own prefill, its greedy answer is the answer
+of the same prompt run alone (batch-invariant kernels, tests/conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from barrel.engine.engine import Engine, EngineOptions
+from barrel.engine.model import LlamaModel
+from barrel.engine.types import FinishReason, GenerationRequest
+
+N_CTX = 4096
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path: Path) -> Iterator[LlamaModel]:
+    m = LlamaModel.load(tiny_path)
+    yield m
+    m.free()
+
+
+def long_prompt(model: LlamaModel, seed: int) -> list[int]:
+    words = " ".join(f"note {seed}-{k} reads {k * 7 % 97}" for k in range(400))
+    return model.tokenize(words)[:1800]
+
+
+async def alone(model: LlamaModel, prompt: list[int]) -> tuple[int, ...]:
+    e = Engine(model, EngineOptions(n_ctx=N_CTX, n_seq_max=1, state_cache_bytes=0)).start()
+    try:
+        _, done = await e.submit(GenerationRequest(prompt, max_tokens=24)).collect()
+        assert done.usage.prompt_computed == len(prompt)
+        return done.tokens
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+async def test_a_long_prompt_answers_alike_alone_beside_streams_and_after_a_cancel(
+    model: LlamaModel,
+) -> None:
+    prompt = long_prompt(model, 1)
+    expected = await alone(model, prompt)
+    e = Engine(model, EngineOptions(n_ctx=N_CTX, n_seq_max=4, prefill_chunk=64)).start()
+    try:
+        # beside three running streams
+        streams = [
+            e.submit(GenerationRequest(model.tokenize(f"Story {i}:"), max_tokens=4000))
+            for i in range(3)
+        ]
+        for s in streams:
+            await anext(s)
+        late = e.submit(GenerationRequest(prompt, max_tokens=24))
+        first = asyncio.ensure_future(anext(late))
+        beside = 0
+        while not first.done():
+            await anext(streams[0])
+            beside += 1
+        assert beside >= 2, "the streams kept generating while the prompt was read"
+        _, done = await late.collect()
+        assert done.tokens == expected
+        assert done.usage.prompt_computed == len(prompt)
+        for s in streams:
+            s.cancel()
+            await s.collect()
+        # after a neighbour cancelled in the middle of its own prefill (64 prompt rows a
+        # step beside the running stream, the neighbour's first: each token of the
+        # stream is one step)
+        running = e.submit(GenerationRequest(model.tokenize("Story:"), max_tokens=4000))
+        await anext(running)
+        other = e.submit(GenerationRequest(long_prompt(model, 2), max_tokens=24))
+        again = e.submit(GenerationRequest(prompt, max_tokens=24))
+        for _ in range(3):
+            await anext(running)
+        other.cancel()
+        _, cancelled = await other.collect()
+        assert cancelled.finish_reason is FinishReason.CANCELLED
+        assert cancelled.usage.completion_tokens == 0, "cancelled while it was read"
+        _, done = await again.collect()
+        assert done.tokens == expected
+        running.cancel()
+        await running.collect()
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+async def test_the_step_budget_grows_with_quick_steps_and_keeps_its_floor(
+    model: LlamaModel,
+) -> None:
+    """With `prefill_step_s` a step beside generating sequences takes more than
+    `prefill_chunk` prompt rows once rows are timed as cheap; without it, exactly that."""
+    for step_s, grows in ((0.0, False), (30.0, True)):
+        opts = EngineOptions(n_ctx=N_CTX, n_seq_max=2, prefill_chunk=64, prefill_step_s=step_s)
+        e = Engine(model, opts).start()
+        try:
+            running = e.submit(GenerationRequest(model.tokenize("Story:"), max_tokens=4000))
+            await anext(running)
+            _, warm = await e.submit(
+                GenerationRequest(long_prompt(model, 3), max_tokens=1)
+            ).collect()
+            assert warm.usage.prompt_computed > 64
+            assert (e._prefill_budget() > 64) is grows
+            running.cancel()
+            await running.collect()
+        finally:
+            await asyncio.to_thread(e.stop)
