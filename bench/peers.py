@@ -190,6 +190,26 @@ async def throughput(session: aiohttp.ClientSession, url: str, clients: int, n: 
     return sum(r[1] for r in results) / (max(r[2] for r in results) - start)
 
 
+WORDS = [
+    "river",
+    "stone",
+    "cloud",
+    "orange",
+    "market",
+    "window",
+    "garden",
+    "copper",
+    "lamp",
+    "field",
+    "ledger",
+    "harbour",
+    "pepper",
+    "violet",
+    "anchor",
+    "meadow",
+]
+
+
 async def churn(
     session: aiohttp.ClientSession, url: str, round_no: int, clients: int = 4, each: int = 3
 ) -> float:
@@ -197,18 +217,7 @@ async def churn(
     one a new ~300-token prompt answered in 128 tokens (`ignore_eos`, equal lengths): new
     prompts to prefill while other streams decode, GuideLLM's mix."""
     rnd = random.Random(round_no)
-    words = [
-        "river",
-        "stone",
-        "cloud",
-        "orange",
-        "market",
-        "window",
-        "garden",
-        "copper",
-        "lamp",
-        "field",
-    ]
+    words = WORDS[:10]
 
     def ask() -> list[dict[str, str]]:
         text = " ".join(f"{rnd.choice(words)}{rnd.randint(0, 999)}" for _ in range(90))
@@ -252,24 +261,6 @@ async def cold_ttft(session: aiohttp.ClientSession, url: str, round_no: int) -> 
     return first
 
 
-WORDS = [
-    "river",
-    "stone",
-    "cloud",
-    "orange",
-    "market",
-    "window",
-    "garden",
-    "copper",
-    "lamp",
-    "field",
-    "ledger",
-    "harbour",
-    "pepper",
-    "violet",
-    "anchor",
-    "meadow",
-]
 TOKENS_A_LINE = 13.2  # Qwen2.5's tokens in one line of `document`, measured
 
 
@@ -345,7 +336,9 @@ async def arrivals(
 
     async def one(i: int, at: float, size: int) -> tuple[float, list[float], int]:
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-        text = f"{document(size, 10_000 * (round_no + 1) + i)}\nSummarise these entries."
+        # new to every server: a seed of its own for each round, rate and request
+        seed = 10_000 * (round_no + 1) + 100 * round(rate * 100) + i
+        text = f"{document(size, seed)}\nSummarise these entries."
         body = {"messages": [{"role": "user", "content": text}], "max_tokens": 64}
         ttft, chunks, _ = await first_token(session, url, {**body, "ignore_eos": True})
         return ttft, [ttft, *chunks], len(chunks) + 1
@@ -371,10 +364,12 @@ async def code_edit(session: aiohttp.ClientSession, url: str, n: int) -> float:
 # a value, or several named ones (each compared as "<key> <name>")
 Workload = Callable[[aiohttp.ClientSession, str, int], Awaitable[float | dict[str, float]]]
 PREFILL_SIZES = {"512": 512, "2k": 2048, "4k": 3968, "8k": 8000}
-ARRIVAL_RATES = {"0.25/s": 0.25, "1/s": 1.0}
+ARRIVAL_RATES = [0.25, 1.0]  # requests a second: below and above what the box serves
 
 
-def workloads(names: set[str], tokens: int, ctx: int = CTX) -> list[tuple[str, Workload]]:
+def workloads(
+    names: set[str], tokens: int, ctx: int = CTX, rates: list[float] | None = None
+) -> list[tuple[str, Workload]]:
     """(result key, run(session, url, round) -> value) of each measurement asked for."""
 
     def streams(clients: int) -> Workload:
@@ -428,7 +423,7 @@ def workloads(names: set[str], tokens: int, ctx: int = CTX) -> list[tuple[str, W
             if size + 64 <= ctx
         ]
     if "arrivals" in names:
-        plan += [(f"arrivals {label}", arriving(rate)) for label, rate in ARRIVAL_RATES.items()]
+        plan += [(f"arrivals {rate:g}/s", arriving(rate)) for rate in rates or ARRIVAL_RATES]
     return plan
 
 
@@ -461,7 +456,7 @@ async def measure(args: argparse.Namespace) -> None:
                     ready = "/health/ready" if name in barrels else "/health"
                     await wait_ready(session, url, ready, timeout=120)
                     await throughput(session, url, 1, 8)  # warm-up (Barrel loads the model)
-                plan = workloads(args.workloads, args.tokens, args.ctx)
+                plan = workloads(args.workloads, args.tokens, args.ctx, args.rates)
                 pids = [proc.pid for proc, _ in servers.values()]
                 for r in range(args.rounds):
                     # one workload at a time on every server, so that the drift of a
@@ -600,6 +595,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--ctx", type=int, default=CTX, help="context per sequence (8192+ adds the ~8k prefill)"
+    )
+    parser.add_argument(
+        "--rates",
+        type=lambda text: [float(r) for r in text.split(",")],
+        default=ARRIVAL_RATES,
+        help="arrival rates (requests a second) of the arrivals workload",
     )
     args = parser.parse_args()
     if unknown := set(args.barrel) - set(VARIANTS):
