@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from barrel.engine import model as kernels
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel, ModelOptions, cpu_has_amx
@@ -32,12 +33,17 @@ def _load(caplog: pytest.LogCaptureFixture, path: Path, opts: ModelOptions) -> L
 
 @pytest.mark.real_model
 async def test_auto_repacks_qwens_q4_k_weights_and_the_model_answers(
-    qwen_path: Path, caplog: pytest.LogCaptureFixture
+    qwen_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off by default. "auto" (None) puts Qwen's Q4_K tensors in a repack buffer unless
-    the CPU has AMX, and the model still answers."""
+    """Off in the library's default. "auto" (None) follows the process's kernels: with
+    batch-invariant ones it repacks nothing; with llama.cpp's it puts Qwen's Q4_K tensors
+    in a repack buffer unless the CPU has AMX, and the model still answers."""
     _load(caplog, qwen_path, ModelOptions()).free()
     assert REPACKED not in caplog.text
+    monkeypatch.setattr(kernels, "_batch_invariant", True)
+    _load(caplog, qwen_path, ModelOptions(extra_buffers=None)).free()
+    assert REPACKED not in caplog.text
+    monkeypatch.setattr(kernels, "_batch_invariant", False)
     model = _load(caplog, qwen_path, ModelOptions(extra_buffers=None))
     assert (REPACKED in caplog.text) == (not cpu_has_amx())
     engine = Engine(model, EngineOptions(n_ctx=512, n_seq_max=1)).start()
