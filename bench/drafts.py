@@ -80,7 +80,7 @@ def replay(
     capacity: int = 512,
 ) -> list[tuple[int, int]]:
     """(draft tokens, kept) of every step after the prefill that generated `answer`
-    greedily, drafting as `Engine._draft` and `_verify_draft` do for a sequence alone
+    greedily, drafting as `Verifier.draft` and `Verifier.verify` do for a sequence alone
     in its step. `drafter` holds the prompt (NgramDrafter(prompt, n, k))."""
     generated = answer[:1]  # the prefill's token: pending, not yet decoded
     steps: list[tuple[int, int]] = []

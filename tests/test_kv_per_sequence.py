@@ -180,7 +180,7 @@ async def test_a_gap_left_between_running_sequences_closes(model: LlamaModel) ->
     try:
         prompts, done = await short_between_long(e, model)
         assert [len(d.tokens) for d in done] == [120, 5, 120]
-        assert e.gap_moves == 1
+        assert e.planner.gap_moves == 1
         # b finished on sequence 1 while a (0) and c (2) ran on: a moved to 3, beside c
         assert [s.session for s in e.kv.slots] == [None, "b", "c", "a"]
         assert e.kv.slots[0].tokens == []
@@ -206,7 +206,7 @@ async def test_a_gap_closes_over_a_parked_conversation_which_the_state_cache_kee
     e = Engine(model, options(n_seq_max=3, max_pins=0)).start()
     try:
         prompts, done = await short_between_long(e, model)
-        assert e.gap_moves == 1
+        assert e.planner.gap_moves == 1
         sessions = [s.session for s in e.kv.slots]
         assert "b" not in sessions
         assert sorted(s for s in sessions if s) == ["a", "c"]

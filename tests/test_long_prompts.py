@@ -103,7 +103,7 @@ async def test_the_step_budget_grows_with_quick_steps_and_keeps_its_floor(
                 GenerationRequest(long_prompt(model, 3), max_tokens=1)
             ).collect()
             assert warm.usage.prompt_computed > 64
-            assert (e._prefill_budget() > 64) is grows
+            assert (e.planner.budget() > 64) is grows
             running.cancel()
             await running.collect()
         finally:

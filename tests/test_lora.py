@@ -99,7 +99,7 @@ async def test_bad_scales_are_refused_before_queueing(model: LlamaModel, lora: P
         for i in range(40):
             request = GenerationRequest(prompt, GREEDY, max_tokens=2, lora=(i / 40,))
             await e.submit(request).collect()
-        assert len(e._lora_served) <= 2
+        assert len(e.loras.served) <= 2
     finally:
         await asyncio.to_thread(e.stop)
 

@@ -159,7 +159,7 @@ async def test_conversations_that_end_together_get_their_turn_headers_in_one_dec
         answers = [[t for t in d.tokens if not model.is_eog(t)] for _, d in dones]
         ends = {tuple(h + a + turn) for h, a in zip(heads, answers, strict=True)}
         await _until(lambda: {tuple(s.tokens) for s in e.kv.slots if s.tokens} >= ends)
-        assert e.turn_steps == 1  # four sequences, one idle decode
+        assert e.turns.steps == 1  # four sequences, one idle decode
     finally:
         await asyncio.to_thread(e.stop)
 
@@ -187,7 +187,7 @@ async def test_turn_headers_go_in_sequence_order_for_one_micro_batch_a_stream_ea
         dones = await asyncio.gather(*(e.submit(a).collect() for a in asks))
         ends = {tuple(h + list(d.tokens) + turn) for h, (_, d) in zip(heads, dones, strict=True)}
         await _until(lambda: {tuple(s.tokens) for s in e.kv.slots if s.tokens} >= ends)
-        assert e.turn_steps == 1
+        assert e.turns.steps == 1
         rows = e._batch.seqs()  # the idle decode's batch, still in place
         assert len(rows) == 4 * (1 + len(turn))  # each: its last answer token and the header
         assert rows == sorted(rows)
@@ -218,9 +218,9 @@ async def test_a_slot_reused_by_another_conversation_of_the_same_length_is_left_
         (slot,) = e.kv.slots
         held = [*other, *done.tokens[:-1]]
         assert slot.tokens == held  # as long as the chat's conversation was
-        await _until(lambda: e.turn_steps + e.turns_dropped > 0)  # the header taken up
-        assert e.turns_dropped == 1
-        assert e.turn_steps == 0
+        await _until(lambda: e.turns.steps + e.turns.dropped > 0)  # the header taken up
+        assert e.turns.dropped == 1
+        assert e.turns.steps == 0
         assert slot.tokens == held
     finally:
         await asyncio.to_thread(e.stop)
@@ -240,9 +240,9 @@ class _Held(Engine):
             if not self.idle.is_set():  # (ctypes would swallow an assertion here)
                 self.idle.set()
                 self.go.wait(30)
-            return self._interrupt
+            return self.turns.interrupt
 
-        self._abort_check = ll.ggml_abort_callback(held)
+        self.turns.abort_check = ll.ggml_abort_callback(held)
 
 
 async def test_a_request_does_not_wait_for_an_idle_turn_decode(model: LlamaModel) -> None:
@@ -265,11 +265,11 @@ async def test_a_request_does_not_wait_for_an_idle_turn_decode(model: LlamaModel
         stream = e.submit(GenerationRequest(other, GREEDY, max_tokens=4))
         e.go.set()
         _, interrupting = await stream.collect()
-        assert e.turn_aborts == 1
+        assert e.turns.aborts == 1
         # the conversation gets its turn tokens after all, in a later idle decode
         slot = next(s for s in e.kv.slots if s.tokens[: len(head)] == head)
         await _until(lambda: slot.tokens == [*head, *answer, *turn])
-        assert e.turn_steps == 1
+        assert e.turns.steps == 1
         words = model.tokenize("And now?<|im_end|>\n<|im_start|>assistant\n", add_special=False)
         follow = GenerationRequest([*head, *answer, *turn, *words], GREEDY, max_tokens=4)
         _, again = await e.submit(follow).collect()
@@ -280,7 +280,7 @@ async def test_a_request_does_not_wait_for_an_idle_turn_decode(model: LlamaModel
     e2 = Engine(model, opts).start()
     try:
         _, done2 = await e2.submit(first).collect()
-        await _until(lambda: e2.turn_steps == 1)
+        await _until(lambda: e2.turns.steps == 1)
         _, interrupting2 = await e2.submit(GenerationRequest(other, GREEDY, max_tokens=4)).collect()
         _, again2 = await e2.submit(follow).collect()
         assert (done2.tokens, interrupting2.tokens, again2.tokens) == (
@@ -288,6 +288,6 @@ async def test_a_request_does_not_wait_for_an_idle_turn_decode(model: LlamaModel
             interrupting.tokens,
             again.tokens,
         )
-        assert e2.turn_aborts == 0
+        assert e2.turns.aborts == 0
     finally:
         await asyncio.to_thread(e2.stop)

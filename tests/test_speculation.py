@@ -16,8 +16,9 @@ from pathlib import Path
 import llama_cpp as ll
 import pytest
 
-from barrel.engine.engine import Engine, EngineOptions, _NoObserver
+from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
+from barrel.engine.observer import NoObserver
 from barrel.engine.speculate import ALIGN, NgramDrafter, align_drafts
 from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
 from barrel.metrics import Metrics
@@ -92,7 +93,7 @@ def test_a_step_with_drafts_is_trimmed_to_a_multiple_of_four(
     assert drafts == left
 
 
-class _Steps(_NoObserver):
+class _Steps(NoObserver):
     """The engine's steps, in order: (tokens, draft tokens verified in the step)."""
 
     def __init__(self) -> None:
@@ -256,7 +257,7 @@ async def test_rejected_drafts_leave_no_cells_behind(qwen: LlamaModel) -> None:
         await asyncio.to_thread(e.stop)
 
 
-class _Drafts(_NoObserver):
+class _Drafts(NoObserver):
     """Every verified draft, in order: (draft tokens, kept)."""
 
     def __init__(self) -> None:

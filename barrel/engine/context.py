@@ -15,6 +15,7 @@ import llama_cpp as ll
 
 from barrel.engine.errors import ModelLoadError
 from barrel.engine.model import LlamaModel, ModelOptions
+from barrel.engine.vision import Projector, load_projector
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class EngineOptions:
     embedding: bool = False
     pooling: str = "model"  # model (from the GGUF, mean if it has none) | mean | cls | last
     # A finished conversation's sequence gets its template's next-turn header after this
-    # long without a request (Engine._continue_turns).
+    # long without a request (NextTurns.decode, barrel.engine.turns).
     next_turn_delay_s: float = 0.2
     # A multimodal projector GGUF (barrel.engine.vision): the model then reads images.
     mmproj: Path | None = None
@@ -162,6 +163,31 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context for {model.path.name}")
     return ctx
+
+
+def open_context(
+    model: LlamaModel, opts: EngineOptions, n_ctx: int
+) -> tuple[Any, list[Any], Projector | None]:
+    """The context, its LoRA adapters and its image projector: all of them, or nothing
+    left open."""
+    ctx = new_context(model, opts, n_ctx)
+    adapters: list[Any] = []
+    try:
+        adapters = apply_loras(model, ctx, opts.loras)
+        projector = None
+        if opts.mmproj is not None:
+            projector = load_projector(
+                opts.mmproj,
+                model,
+                threads=opts.threads or (os.cpu_count() or 1),
+                use_gpu=model.options.n_gpu_layers != 0,
+            )
+    except BaseException:
+        for adapter in adapters:
+            ll.llama_adapter_lora_free(adapter)
+        ll.llama_free(ctx)
+        raise
+    return ctx, adapters, projector
 
 
 def runs_on_cpu(options: ModelOptions) -> bool:

@@ -6,7 +6,7 @@ ids), and keeps for each the tokens its KV holds. Each step, for the sequences t
 generate: the tokens of their history not yet in the draft KV are decoded (all sequences
 in one batch; after a rejection the KV is cut back to the common prefix first), then
 `k` rounds of one greedy token per sequence, all sequences in one decode per round.
-Verification is the engine's (`Engine._verify_draft`): a draft token is kept while it
+Verification is barrel.engine.verify's (`Verifier.verify`): a draft token is kept while it
 equals the token the request's own sampler drew there, so the output is the one the
 request would get without drafts, at any temperature.
 

@@ -60,6 +60,21 @@ class Run:
     def prefilling(self) -> bool:
         return self.n_past < len(self.req.prompt)
 
+    def advance(self, n_tokens: int) -> None:
+        """The run's `n_tokens` rows of a step are decoded: its slot holds them."""
+        assert self.slot is not None
+        if self.prefilling:
+            start = self.n_past
+            self.slot.tokens.extend(self.req.prompt[start : start + n_tokens])
+            self.n_past += n_tokens
+            if not self.prefilling:
+                self.prefill_done = time.monotonic()
+        else:
+            assert self.pending is not None
+            self.slot.tokens.append(self.pending)
+            self.n_past += 1
+            self.pending = None
+
     def add_token(
         self, model: LlamaModel, token: int, logprob: TokenLogprob | None
     ) -> tuple[bool, str | None]:

@@ -269,6 +269,23 @@ class SlotManager:
         slot.busy = False
         slot.touch()
 
+    def cut(self, seq: int, start: int) -> None:
+        """Remove sequence `seq`'s cells from position `start` on: cells a step decoded
+        that the sequence does not keep (rejected drafts, an image that found no room,
+        an idle decode given up). Its tokens list stays with the caller."""
+        ll.llama_memory_seq_rm(self.mem, seq, start, -1)
+
+    def truncate(self, slot: Slot, keep: int) -> None:
+        """Keep only the slot's first `keep` tokens, cells and list alike."""
+        self.cut(slot.seq, keep)
+        del slot.tokens[keep:]
+
+    def unpin(self, slot: Slot) -> None:
+        """A pinned prefix that could not be prefilled: its sequence emptied and free."""
+        self.cut(slot.seq, -1)
+        slot.busy = False
+        slot.tokens = []
+
     def evict_lru(self) -> bool:
         """Free the KV cells of the least recently used parked sequence (saving its state)."""
         parked = [s for s in self.slots if not s.busy and s.tokens]

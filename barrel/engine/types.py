@@ -82,7 +82,7 @@ class GenerationRequest:
     # What the chat template puts after this answer before the next user's words (its
     # end of turn and the user header), as tokens: once the answer ends, the engine
     # decodes them into the parked sequence while it has nothing else to do, and the
-    # follow-up turn prefills only its own words (Engine._continue_turns).
+    # follow-up turn prefills only its own words (NextTurns.decode, barrel.engine.turns).
     next_turn: tuple[int, ...] = ()
 
 

@@ -1,0 +1,213 @@
+"""Batch planning: what one step decodes. Each generating sequence's pending token and
+its draft (barrel.engine.verify), then chunks of the prompts being prefilled in arrival
+order, as many rows as the prefill budget allows beside generating sequences, then
+pinned prefixes; with a KV stream per sequence, rows ordered so the step is one
+micro-batch, and running sequences moved to close a gap between their ids. Owns the
+batch's contents, the rate prompt rows cost lately and the pinned prefixes' rows of this
+step; engine thread."""
+
+from __future__ import annotations
+
+import logging
+
+from barrel.engine.admit import Admission
+from barrel.engine.inbox import PinJob
+from barrel.engine.lora import Loras
+from barrel.engine.roster import Roster, runnable
+from barrel.engine.run import Run
+from barrel.engine.shared import Shared
+from barrel.engine.slots import runs_of
+from barrel.engine.speculate import align_drafts
+from barrel.engine.verify import Verifier
+from barrel.engine.vision import is_placeholder
+
+logger = logging.getLogger(__name__)
+
+# Prompt tokens per step for a request that wants their logprobs (each one's logits are
+# a vocabulary of floats: 64 x 152k x 4 bytes = 39 MB of output buffer for Qwen).
+PROMPT_LOGPROB_CHUNK = 64
+
+# (run, batch index of its logits or -1, tokens it put in the batch)
+Entry = tuple[Run, int, int]
+
+# Steps a gap between running sequences (a KV stream each) is left for a new request to
+# fill before a running sequence moves into it (`SlotManager.close_gap`): a request that
+# comes goes there at no cost, and the move copies a sequence's cells.
+GAP_STEPS = 2
+GAP_RETRY_STEPS = 64  # after a gap could not be closed
+
+# Steps with fewer prompt rows do not time a prompt row (`Planner.budget`): a step of a
+# few rows costs a pass over the weights, whatever its rows.
+MIN_TIMED_ROWS = 64
+
+
+class Planner:
+    def __init__(
+        self,
+        shared: Shared,
+        roster: Roster,
+        loras: Loras,
+        verifier: Verifier,
+        admission: Admission,
+    ) -> None:
+        self.batch, self.kv, self.options = shared.batch, shared.kv, shared.options
+        self.name, self.roster, self.loras = shared.name, roster, loras
+        self.verifier, self.admission = verifier, admission
+        self.prompt_rows = 0  # prompt rows in the batch (fill)
+        self.row_s = 0.0  # seconds a row of steps with prompt rows costs lately
+        self.pins: list[tuple[PinJob, int]] = []  # pinned prefixes' rows in the batch
+        self._gap_steps = 0  # steps the running sequences' ids have not been one run
+        self.gap_moves = 0  # running sequences moved to join the others
+
+    def fill(self) -> list[Entry]:
+        """Fill the batch: one token (and a draft) for each generating sequence, then
+        prompt chunks in arrival order, then pinned prefixes."""
+        b = self.batch
+        b.clear()
+        entries: list[Entry] = []
+        active = self.roster.active
+        lora = self.loras.for_step(
+            (r for r in active if runnable(r)), pinning=bool(self.roster.pinning)
+        )
+        for run in active:
+            run.logit_rows.clear()  # a rebuilt batch (KV full) must not count rows twice
+        generating = [
+            run
+            for run in active
+            if not run.prefilling
+            and run.pending is not None
+            and runnable(run)
+            and self.loras.of(run) == lora
+        ]
+        planned = self.verifier.plan(generating, b.capacity)
+        room = b.capacity - len(planned) - sum(len(r.draft) for r in planned)
+        budget = min(room, self.budget()) if planned else room
+        self.admission.images(lora)
+        chunks: list[tuple[Run, int]] = []
+        for run in active:
+            if not run.prefilling or budget <= 0 or self.loras.of(run) != lora:
+                continue
+            take = self.chunk(run, budget)
+            if take:
+                chunks.append((run, take))
+                budget -= take
+        self.prompt_rows = sum(take for _, take in chunks)
+        pins: list[tuple[PinJob, int]] = []
+        for job in self.roster.pinning:
+            if budget <= 0 or lora != self.loras.default:
+                break
+            take = min(len(job.tokens) - job.n_past, budget)
+            pins.append((job, take))
+            budget -= take
+        if self.kv.per_sequence:
+            self.one_ubatch(planned, chunks)
+        n = len(planned) + sum(len(r.draft) for r in planned) + sum(t for _, t in chunks + pins)
+        if not (self.kv.per_sequence and len(planned) > 1):
+            align_drafts([r.draft for r in planned], n)
+        for run in planned:
+            assert run.slot is not None
+            assert run.pending is not None
+            index = b.add(run.pending, run.n_past, run.slot.seq, True)
+            for j, token in enumerate(run.draft):
+                b.add(token, run.n_past + 1 + j, run.slot.seq, True)
+            entries.append((run, index, 1))
+        for run, take in chunks:
+            assert run.slot is not None
+            prompt, rows = run.req.prompt, run.req.prompt_logprobs
+            index = -1
+            for pos in range(run.n_past, run.n_past + take):
+                last = pos == len(prompt) - 1
+                i = b.add(prompt[pos], pos, run.slot.seq, last or rows)
+                if rows and not last:
+                    run.logit_rows.append((i, pos))
+                if last:
+                    index = i
+            entries.append((run, index, take))
+        self.pins = pins
+        for job, take in pins:
+            for pos in range(job.n_past, job.n_past + take):
+                b.add(job.tokens[pos], pos, job.slot.seq, False)
+        if not entries and self.pins:
+            # Only pins in this batch: llama_decode needs one output somewhere.
+            b.raw.logits[b.n - 1] = True
+        return entries
+
+    def timed(self, seconds: float) -> None:
+        """The batch decoded in `seconds`: a step with enough prompt rows times a row."""
+        if self.prompt_rows >= MIN_TIMED_ROWS:
+            rate = seconds / self.batch.n
+            self.row_s = rate if self.row_s <= 0 else (self.row_s + rate) / 2
+
+    def budget(self) -> int:
+        """Prompt rows a step takes beside generating sequences: `prefill_chunk`, or
+        with `prefill_step_s` as many as take about that long at the rate rows of such
+        steps have cost lately (a step's cost per row grows with the cells it attends
+        to), never fewer than `prefill_chunk`."""
+        opts = self.options
+        if opts.prefill_step_s <= 0 or self.row_s <= 0:
+            return opts.prefill_chunk
+        return max(opts.prefill_chunk, int(opts.prefill_step_s / self.row_s))
+
+    def close_gap(self) -> None:
+        """Join the running sequences' ids into one run (one micro-batch a step) once a
+        gap among them has lasted GAP_STEPS steps. Not with a draft model, whose own
+        context keeps each sequence under its id. A parked conversation displaced with
+        its next turn queued loses only that idle prefill (the entry no longer matches
+        the slot); its next turn comes from the state cache."""
+        active = self.roster.active
+        seqs = {r.slot.seq for r in active if r.slot}
+        if self.verifier.drafter is not None or runs_of(seqs) <= 1:
+            self._gap_steps = 0
+            return
+        self._gap_steps += 1
+        if self._gap_steps < GAP_STEPS:
+            return
+        moved = self.kv.close_gap()
+        if moved is None:
+            self._gap_steps = -GAP_RETRY_STEPS  # no free slot joins them, or a copy failed
+            return
+        src, dst = moved
+        for run in active:
+            if run.slot is src:
+                run.slot = dst
+        self._gap_steps = 0
+        self.gap_moves += 1
+        logger.debug(
+            "engine %s: sequence %d moved to %d, beside the others", self.name, src.seq, dst.seq
+        )
+
+    @staticmethod
+    def one_ubatch(planned: list[Run], chunks: list[tuple[Run, int]]) -> None:
+        """With a KV stream per sequence llama.cpp splits a step into micro-batches of
+        consecutive sequence ids with as many tokens each, and every micro-batch reads
+        all the weights again: generating sequences go in sequence order, and when they
+        all draft, with drafts of one length (the shortest: one micro-batch); when some
+        do not, only the longest draft stays (one more micro-batch, for its tokens)."""
+        planned.sort(key=lambda r: r.slot.seq if r.slot is not None else -1)
+        chunks.sort(key=lambda c: c[0].slot.seq if c[0].slot is not None else -1)
+        if len(planned) > 1:
+            shortest = min(len(r.draft) for r in planned)
+            longest = max(planned, key=lambda r: len(r.draft))
+            for run in planned:
+                if shortest or run is not longest:
+                    del run.draft[shortest:]
+
+    @staticmethod
+    def chunk(run: Run, budget: int) -> int:
+        """How many of `run`'s prompt tokens the step takes: up to `budget`, never past
+        an image (evaluated on its own), fewer with prompt logprobs (a vocabulary of
+        logits per token: the output buffer stays small)."""
+        prompt = run.req.prompt
+        take = min(len(prompt) - run.n_past, budget)
+        if run.req.media:  # text up to the next image (evaluated next step)
+            take = next(
+                (
+                    i - run.n_past
+                    for i in range(run.n_past, run.n_past + take)
+                    if is_placeholder(prompt[i])
+                ),
+                take,
+            )
+        if run.req.prompt_logprobs:
+            take = min(take, PROMPT_LOGPROB_CHUNK)
+        return take

@@ -1,0 +1,119 @@
+"""Draft verification: the tokens each generating sequence guesses ahead (prompt-lookup
+n-grams, barrel.engine.speculate, or a draft model, barrel.engine.draft), checked in the
+same step as its pending token, and which of them it keeps. Owns the draft model and the
+choice between them; engine thread."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from barrel.engine.deliver import Delivery
+from barrel.engine.draft import DraftModel, Want
+from barrel.engine.model import LlamaModel, ModelOptions
+from barrel.engine.run import Run
+from barrel.engine.shared import Shared
+from barrel.engine.speculate import NgramDrafter
+from barrel.engine.vision import is_placeholder
+
+logger = logging.getLogger(__name__)
+
+
+class Verifier:
+    def __init__(self, shared: Shared, delivery: Delivery) -> None:
+        model, options, n_ctx = shared.model, shared.options, shared.n_ctx
+        self.options, self.n_ctx, self.kv = options, n_ctx, shared.kv
+        self.delivery, self.observer = delivery, shared.observer
+        # partial KV removal (rejected drafts) needs a plain attention cache
+        plain = not (model.swa or model.recurrent)
+        self.ngrams = options.speculation == "ngram" and options.draft_max > 0 and plain
+        self.drafter: DraftModel | None = None
+        if options.draft_model is not None and plain and not options.embedding:
+            draft = LlamaModel.load(options.draft_model, ModelOptions(model.options.n_gpu_layers))
+            try:
+                self.drafter = DraftModel(draft, model, options, n_ctx)
+            except BaseException:
+                draft.free()
+                raise
+            self.ngrams = False  # the draft model drafts instead
+            logger.info("engine %s: drafting with %s", shared.name, options.draft_model.name)
+
+    def plan(self, generating: list[Run], room: int) -> list[Run]:
+        """Give each generating sequence its draft, in order, while the batch has `room`
+        for its pending token and the draft; returns those that fit."""
+        guesses = self._guesses(generating)
+        planned: list[Run] = []
+        for run in generating:
+            if room <= 0:
+                break
+            assert run.slot is not None
+            room -= 1
+            if self.drafter is not None:
+                run.draft = guesses.get(run.slot.seq, [])[:room]
+            else:
+                run.draft = self.draft(run, room)
+            room -= len(run.draft)
+            planned.append(run)
+        return planned
+
+    def _room(self, run: Run, room: int) -> int:
+        """Draft tokens `run` can verify: within `room`, the context and its token limit."""
+        room = min(room, self.n_ctx - run.n_past - 2)
+        if run.req.max_tokens is not None:
+            room = min(room, run.req.max_tokens - len(run.generated) - 1)
+        return room
+
+    def _guesses(self, generating: list[Run]) -> dict[int, list[int]]:
+        """The draft model's tokens for the generating sequences (none with images: the
+        draft model cannot read them), by sequence id."""
+        if self.drafter is None:
+            return {}
+        k = self.options.draft_model_tokens
+        wants = [
+            Want(run.slot.seq, [*run.req.prompt, *run.generated], self._room(run, k))
+            for run in generating
+            if run.slot is not None and not run.req.media
+        ]
+        return self.drafter.draft(wants, k)
+
+    def draft(self, run: Run, room: int) -> list[int]:
+        """N-gram draft tokens to verify after `run`'s pending token, within the batch's
+        `room`, the context and the request's token limit."""
+        if not self.ngrams:
+            return []
+        history = len(run.req.prompt) + len(run.generated)
+        if run.drafter is None:
+            opts = self.options
+            run.drafter = NgramDrafter(
+                [*run.req.prompt, *run.generated], opts.draft_ngram, opts.draft_max
+            )
+        elif len(run.drafter.history) < history:
+            run.drafter.extend(run.generated[len(run.drafter.history) - history :])
+        draft = run.drafter.draft(self._room(run, room))
+        if run.req.media:  # never an image's placeholder
+            draft = list(itertools.takewhile(lambda t: not is_placeholder(t), draft))
+        return draft
+
+    def verify(self, run: Run, index: int, seq: int) -> None:
+        """Keep the draft tokens while each equals the token sampled before it (the
+        token at `index + j` was sampled from the logits of draft token j-1), then drop
+        the rejected ones' KV cells."""
+        draft, run.draft = run.draft, []
+        kept = 0
+        for j, token in enumerate(draft):
+            if run.slot is None or run.pending != token:
+                break
+            run.slot.tokens.append(token)  # already decoded at this position
+            run.n_past += 1
+            run.pending = None
+            kept += 1
+            self.delivery.sample(run, index + 1 + j)
+        self.kv.cut(seq, run.n_past)
+        if run.drafter is not None:
+            run.drafter.record(len(draft), kept)
+        self.observer.drafted(len(draft), kept)
+
+    def free(self) -> None:
+        if self.drafter is not None:
+            self.drafter.free()
+            self.drafter = None
