@@ -13,7 +13,8 @@ import pytest
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import FinishReason, GenerationRequest
+from barrel.engine.run import Run
+from barrel.engine.types import FinishReason, GenerationRequest, RequestId
 
 N_CTX = 4096
 
@@ -108,3 +109,67 @@ async def test_the_step_budget_grows_with_quick_steps_and_keeps_its_floor(
             await running.collect()
         finally:
             await asyncio.to_thread(e.stop)
+
+
+async def test_a_short_prompt_beside_a_long_one_reads_first(model: LlamaModel) -> None:
+    """Two prompts being read beside a running stream: the one with fewer rows left
+    gets the step's rows first, so its first token comes while the long prompt, which
+    came first, is still being read; the long one keeps a share meanwhile and answers
+    as it does alone."""
+    prompt = long_prompt(model, 4)
+    expected = await alone(model, prompt)
+    e = Engine(model, EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64)).start()
+    try:
+        running = e.submit(GenerationRequest(model.tokenize("Story:"), max_tokens=4000))
+        await anext(running)
+        long = e.submit(GenerationRequest(prompt, max_tokens=24))
+        short = e.submit(GenerationRequest(model.tokenize("What is two and two?"), max_tokens=2))
+        long_first = asyncio.ensure_future(anext(long))
+        short_first = asyncio.ensure_future(anext(short))
+        done, _ = await asyncio.wait({long_first, short_first}, return_when="FIRST_COMPLETED")
+        assert short_first in done
+        assert not long_first.done(), "the long prompt was still being read"
+        await short.collect()
+        await long_first
+        _, answer = await long.collect()
+        assert answer.tokens == expected
+        running.cancel()
+        await running.collect()
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+def _run(rid: int, tokens: int) -> Run:
+    request = GenerationRequest(list(range(1, tokens + 1)))
+    return Run(RequestId(rid), request, None, None)  # type: ignore[arg-type]
+
+
+def test_the_step_s_rows_go_to_the_shortest_prompt_and_a_quarter_to_the_oldest(
+    model: LlamaModel,
+) -> None:
+    e = Engine(model, EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64))
+    try:
+        old, short, middle = _run(1, 1000), _run(2, 100), _run(3, 300)
+        shares = e.planner.shares([old, short, middle], 256)
+        assert [(r.id, n) for r, n in shares] == [(2, 100), (3, 92), (1, 64)]
+        # the oldest is also the shortest: nothing held for it
+        shares = e.planner.shares([short, old, middle], 256)
+        assert [(r.id, n) for r, n in shares] == [(2, 100), (3, 156)]
+        assert [(r.id, n) for r, n in e.planner.shares([old], 256)] == [(1, 256)]
+    finally:
+        e.stop()
+
+
+def test_the_budget_grows_while_prompts_outnumber_the_streams(model: LlamaModel) -> None:
+    opts = EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64, prefill_step_s=1.0)
+    e = Engine(model, opts)
+    try:
+        e.planner.row_s = 0.01  # as if rows had cost 10 ms lately
+        assert e.planner.budget(generating=1, waiting=1) == 100
+        assert e.planner.budget(generating=1, waiting=3) == 300
+        assert e.planner.budget(generating=2, waiting=3) == 150
+        assert e.planner.budget(generating=4, waiting=1) == 100  # never below the step
+        e.planner.row_s = 0.1
+        assert e.planner.budget(generating=4, waiting=1) == 64  # nor the floor
+    finally:
+        e.stop()

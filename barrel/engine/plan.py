@@ -1,10 +1,10 @@
 """Batch planning: what one step decodes. Each generating sequence's pending token and
-its draft (barrel.engine.verify), then chunks of the prompts being prefilled in arrival
-order, as many rows as the prefill budget allows beside generating sequences, then
-pinned prefixes; with a KV stream per sequence, rows ordered so the step is one
-micro-batch, and running sequences moved to close a gap between their ids. Owns the
-batch's contents, the rate prompt rows cost lately and the pinned prefixes' rows of this
-step; engine thread."""
+its draft (barrel.engine.verify), then chunks of the prompts being prefilled, the one
+with the fewest rows left first, as many rows as the prefill budget allows beside
+generating sequences (more while prompts outnumber them), then pinned prefixes; with a
+KV stream per sequence, rows ordered so the step is one micro-batch, and running
+sequences moved to close a gap between their ids. Owns the batch's contents, the rate
+prompt rows cost lately and the pinned prefixes' rows of this step; engine thread."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class Planner:
 
     def fill(self) -> list[Entry]:
         """Fill the batch: one token (and a draft) for each generating sequence, then
-        prompt chunks in arrival order, then pinned prefixes."""
+        prompt chunks (`shares`), then pinned prefixes."""
         b = self.batch
         b.clear()
         entries: list[Entry] = []
@@ -81,16 +81,15 @@ class Planner:
         ]
         planned = self.verifier.plan(generating, b.capacity)
         room = b.capacity - len(planned) - sum(len(r.draft) for r in planned)
-        budget = min(room, self.budget()) if planned else room
         self.admission.images(lora)
-        chunks: list[tuple[Run, int]] = []
-        for run in active:
-            if not run.prefilling or budget <= 0 or self.loras.of(run) != lora:
-                continue
-            take = self.chunk(run, budget)
-            if take:
-                chunks.append((run, take))
-                budget -= take
+        prefilling = [r for r in active if r.prefilling and self.loras.of(r) == lora]
+        if planned:
+            waiting = len(prefilling) + len(self.roster.waiting)
+            budget = min(room, self.budget(len(planned), waiting))
+        else:
+            budget = room
+        chunks = self.shares(prefilling, budget)
+        budget -= sum(take for _, take in chunks)
         self.prompt_rows = sum(take for _, take in chunks)
         pins: list[tuple[PinJob, int]] = []
         for job in self.roster.pinning:
@@ -138,15 +137,41 @@ class Planner:
             rate = seconds / self.batch.n
             self.row_s = rate if self.row_s <= 0 else (self.row_s + rate) / 2
 
-    def budget(self) -> int:
-        """Prompt rows a step takes beside generating sequences: `prefill_chunk`, or
-        with `prefill_step_s` as many as take about that long at the rate rows of such
-        steps have cost lately (a step's cost per row grows with the cells it attends
-        to), never fewer than `prefill_chunk`."""
+    def budget(self, generating: int = 1, waiting: int = 1) -> int:
+        """Prompt rows a step takes beside `generating` sequences while `waiting`
+        prompts (being prefilled or queued for a slot) wait for their first token:
+        `prefill_chunk`, or with `prefill_step_s` as many as take about that long at
+        the rate rows of such steps have cost lately (a step's cost per row grows with
+        the cells it attends to), never fewer than `prefill_chunk`. A step costs each
+        stream a pause and each waiting prompt a delay: with more prompts waiting than
+        streams generating, it takes that many times longer (the batch bounds it)."""
         opts = self.options
         if opts.prefill_step_s <= 0 or self.row_s <= 0:
             return opts.prefill_chunk
-        return max(opts.prefill_chunk, int(opts.prefill_step_s / self.row_s))
+        seconds = opts.prefill_step_s * max(1.0, waiting / max(1, generating))
+        return max(opts.prefill_chunk, int(seconds / self.row_s))
+
+    def shares(self, prefilling: list[Run], budget: int) -> list[tuple[Run, int]]:
+        """The step's prompt rows, `budget` of them, among the prompts being prefilled:
+        the prompt with the fewest rows left first (its first token comes soonest, and
+        the others wait for it least), but the one admitted first (the roster keeps
+        arrival order) is sure of a quarter of them, so a long prompt moves on while
+        short ones keep coming."""
+        if not prefilling:
+            return []
+        oldest = prefilling[0]
+        order = sorted(prefilling, key=lambda r: len(r.req.prompt) - r.n_past)
+        held = 0 if order[0] is oldest else max(1, budget // 4)
+        left = budget - held
+        out: list[tuple[Run, int]] = []
+        for run in order:
+            if run is oldest:
+                left, held = left + held, 0
+            take = self.chunk(run, left) if left > 0 else 0
+            if take:
+                out.append((run, take))
+                left -= take
+        return out
 
     def close_gap(self) -> None:
         """Join the running sequences' ids into one run (one micro-batch a step) once a
