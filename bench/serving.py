@@ -1,19 +1,21 @@
 """GuideLLM, a serving benchmark users know, against Barrel and llama-server in one run,
 on Qwen2.5-Coder-0.5B Q4_K_M, with the tokenizer read offline from the GGUF file.
 
-    .venv/bin/python -m bench.serving [--streams 4] [--requests 24] [--defaults 'k = v']
+    .venv/bin/python -m bench.serving [--profile concurrent|constant|poisson|sweep]
+        [--streams 4] [--rate 0.5] [--sweep 5] [--requests 24] [--defaults 'k = v']
 
 GuideLLM (and the transformers and torch it needs) lives in its own virtual environment
 under the models cache, installed on first use: a measuring stick, never a dependency.
 The tokenizer comes out of the GGUF through transformers' GGUF reader, so nothing is
 fetched from the Hugging Face hub. Both servers get the same model file, context and
 parallel sequences (bench/peers' settings); GuideLLM sends synthetic chat requests (a
-fixed prompt and answer length, streamed, a seed) at a fixed concurrency, first to one
+fixed prompt and answer length, streamed, a seed) with one of its profiles (`--profile`:
+a fixed concurrency, a constant or Poisson rate, or a sweep of rates), first to one
 server, then to the other, then once more each (ABBA; each run after both servers
 have been idle for half a second, as in bench/peers; the first pair of runs gets the
 prompts of one seed, the second pair another's, so that no server meets a prompt it
 has cached), and reports per-request TTFT, inter-token latency and output throughput;
-this script prints their percentiles side by side.
+this script prints their percentiles side by side (a sweep: each server's curve).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def run_guidellm(
         "--data",
         f"kind=synthetic_text,prompt_tokens={args.prompt},output_tokens={args.output}",
         "--profile",
-        f"kind=concurrent,streams={args.streams}",
+        profile(args),
         "--constraint",
         f"kind=max_requests,count={args.requests}",
         "--seed",
@@ -96,9 +98,19 @@ def run_guidellm(
     return report
 
 
-def summary(report: dict[str, Any], figure: str) -> dict[str, float]:
-    """A figure's mean and p50/p90/p99 over the successful requests."""
-    (benchmark,) = report["benchmarks"]
+def profile(args: argparse.Namespace) -> str:
+    """GuideLLM's --profile for `args.profile`: a fixed concurrency, requests at a
+    constant rate or as a Poisson process of that rate, or a sweep (GuideLLM measures
+    the synchronous and the throughput rate, then `args.sweep` rates between them)."""
+    if args.profile == "concurrent":
+        return f"kind=concurrent,streams={args.streams}"
+    if args.profile in ("constant", "poisson"):
+        return f"kind={args.profile},rate={args.rate}"
+    return f"kind=sweep,sweep_size={args.sweep}"
+
+
+def summary(benchmark: dict[str, Any], figure: str) -> dict[str, float]:
+    """A figure's mean and p50/p90/p99 over one benchmark's successful requests."""
     found = benchmark["metrics"][figure]["successful"]
     return {"mean": float(found["mean"]), **{k: float(v) for k, v in found["percentiles"].items()}}
 
@@ -107,8 +119,8 @@ def table(reports: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, fl
     """(figure, Barrel, llama-server): each the mean over that server's runs."""
 
     def both(figure: str, key: str) -> tuple[float, float]:
-        ours = [summary(r, figure)[key] for r in reports["barrel"]]
-        theirs = [summary(r, figure)[key] for r in reports["llama-server"]]
+        ours = [summary(r["benchmarks"][0], figure)[key] for r in reports["barrel"]]
+        theirs = [summary(r["benchmarks"][0], figure)[key] for r in reports["llama-server"]]
         return sum(ours) / len(ours), sum(theirs) / len(theirs)
 
     rows = [
@@ -121,6 +133,31 @@ def table(reports: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, fl
     return rows
 
 
+def strategy(benchmark: dict[str, Any]) -> str:
+    """What a benchmark of a run measured: its strategy and rate (or streams)."""
+    found = benchmark["config"]["strategy"]
+    rate = found.get("rate") or found.get("streams")
+    return f"{found['type_']} {rate:.3g}" if rate else str(found["type_"])
+
+
+def curves(reports: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """A sweep's benchmarks, a line each: every server measures its own synchronous and
+    throughput rates and the rates between, so the points are not paired."""
+    lines = []
+    for name, runs in reports.items():
+        for i, report in enumerate(runs):
+            for benchmark in report["benchmarks"]:
+                ttft = summary(benchmark, "time_to_first_token_ms")
+                itl = summary(benchmark, "inter_token_latency_ms")
+                out = summary(benchmark, "output_tokens_per_second")["mean"]
+                lines.append(
+                    f"{name:>12} run {i}  {strategy(benchmark):>18}: TTFT p50 {ttft['p50']:8.0f}"
+                    f" p99 {ttft['p99']:8.0f} ms  ITL p50 {itl['p50']:6.1f} p99"
+                    f" {itl['p99']:6.1f} ms  output {out:6.1f} tok/s"
+                )
+    return lines
+
+
 async def ready(urls: dict[str, str]) -> None:
     async with aiohttp.ClientSession() as session:
         for name, url in urls.items():
@@ -130,7 +167,12 @@ async def ready(urls: dict[str, str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument(
+        "--profile", choices=["concurrent", "constant", "poisson", "sweep"], default="concurrent"
+    )
+    parser.add_argument("--streams", type=int, default=4, help="concurrent: requests in flight")
+    parser.add_argument("--rate", type=float, default=0.5, help="constant, poisson: requests/s")
+    parser.add_argument("--sweep", type=int, default=5, help="sweep: rates measured")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--output", type=int, default=128)
@@ -167,7 +209,10 @@ def main() -> None:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(timeout=60)
-    print(f"GuideLLM, {args.streams} concurrent streams, {args.prompt} -> {args.output} tokens")
+    print(f"GuideLLM, {profile(args)}, {args.prompt} -> {args.output} tokens")
+    if args.profile == "sweep":
+        print("\n".join(curves(reports)))
+        return
     for label, ours, theirs in table(reports):
         ratio = ours / theirs
         print(f"{label:>28}: barrel {ours:8.1f}  llama-server {theirs:8.1f}  ratio {ratio:.2f}x")
