@@ -6,6 +6,7 @@ streams (barrel.engine.stream). Owns the runs with events this step; engine thre
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -27,6 +28,29 @@ class Delivery:
         self.n_ctx, self.observer = shared.n_ctx, shared.observer
         self.rows, self.roster, self.turns = rows, roster, turns
         self._dirty: dict[RequestId, Run] = {}  # runs with events to deliver this step
+
+    def decoded(
+        self,
+        entries: list[tuple[Run, int, int]],
+        verify: Callable[[Run, int, int], None] | None,
+    ) -> None:
+        """What a decoded step's entries (run, batch row or -1, tokens) bring: prompt
+        logprobs, the prompt's progress, a sampled token and the drafts it verifies."""
+        for run, index, n_tokens in entries:
+            if run.logit_rows:
+                self.prompt_logprobs(run)
+            prefilled = run.prefilling
+            run.advance(n_tokens)
+            if index >= 0 and run.req.max_tokens == 0:
+                self.finish(run, FinishReason.LENGTH)  # the prompt only (its logprobs)
+            elif index >= 0:
+                if prefilled:
+                    self.keep_logits(run, index)
+                seq = run.slot.seq if run.slot is not None else -1
+                self.sample(run, index)
+                if run.draft:
+                    assert verify is not None
+                    verify(run, index, seq)
 
     def sample(self, run: Run, index: int, logits: np.ndarray | None = None) -> None:
         """Sample `run`'s next token from batch row `index`, or from kept `logits`."""

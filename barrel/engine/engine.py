@@ -53,6 +53,7 @@ from barrel.engine.errors import (
 )
 from barrel.engine.inbox import Cancel, Embed, Fault, Pin, PinJob, Stop, Submit, Wake
 from barrel.engine.kvcache import StateCache
+from barrel.engine.kvdisk import WRITE_WAIT_S, KVDisk, model_states
 from barrel.engine.lora import Loras
 from barrel.engine.model import LlamaModel
 from barrel.engine.observer import EngineObserver, NoObserver
@@ -85,7 +86,11 @@ class Engine:
         name: str = "model",
         observer: EngineObserver | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
+        disk: KVDisk | None = None,
+        blob: str = "",
     ) -> None:
+        """`disk`: where states are saved as the engine stops and restored from (the
+        model's weights known by `blob`, their digest)."""
         self.model = model
         self.options = opts = effective_options(options or EngineOptions())
         self.name = name
@@ -106,7 +111,11 @@ class Engine:
             opts.max_pins,
             cache,
             per_sequence=opts.kv_per_sequence and not opts.embedding,
+            disk=None
+            if disk is None or opts.embedding
+            else model_states(disk, name, blob, model.path, opts, self.n_ctx),
         )
+        self._saving: threading.Event | None = None  # the states being written
         self._batch = Batch(max(opts.n_batch, 1))
         self._rows = LogitRows(model.n_vocab)  # views of the logits rows, shared by samplers
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -163,6 +172,8 @@ class Engine:
             if self._thread.is_alive():
                 logger.error("engine %s did not stop within %ss", self.name, timeout)
                 return
+        if self._saving is not None and not self._saving.wait(WRITE_WAIT_S):
+            logger.warning("engine %s: its states are still being written", self.name)
         self._free()
 
     def join(self, timeout: float) -> bool:
@@ -296,6 +307,8 @@ class Engine:
                 elif self.turns.due() and not roster.waiting:
                     self.turns.decode()
             self._fail_all(EngineStopped(f"engine {self.name} stopped", retry_after=1.0))
+            if self.kv.disk is not None:  # stopped, not crashed: the states go to disk
+                self._saving = self.kv.disk.save(self.kv.states())
         except BaseException as exc:
             logger.exception("engine %s crashed", self.name)
             self.crashed = exc
@@ -402,21 +415,7 @@ class Engine:
             elapsed = time.monotonic() - start
             self.steps += 1
             self.planner.timed(elapsed)
-            for run, index, n_tokens in entries:
-                if run.logit_rows:
-                    delivery.prompt_logprobs(run)
-                prefilled = run.prefilling
-                run.advance(n_tokens)
-                if index >= 0 and run.req.max_tokens == 0:
-                    delivery.finish(run, FinishReason.LENGTH)  # the prompt only (its logprobs)
-                elif index >= 0:
-                    if prefilled:
-                        delivery.keep_logits(run, index)
-                    seq = run.slot.seq if run.slot is not None else -1
-                    delivery.sample(run, index)
-                    if run.draft:
-                        assert self.verifier is not None
-                        self.verifier.verify(run, index, seq)
+            delivery.decoded(entries, self.verifier.verify if self.verifier else None)
             self.roster.pinned(self.planner.pins)
             self.planner.pins = []
         cells = self.kv.kv_cells()

@@ -145,6 +145,17 @@ class StateCache:
             logger.warning("state cache file %s is gone", st.path)
             return None
 
+    def entries(self) -> list[tuple[str, tuple[int, ...], bytes]]:
+        """Every entry as (scope, tokens, state), read back from disk if spilled."""
+        out = [(st.scope, st.tokens, st.data) for st in self._ram.values() if st.data is not None]
+        for st in self._disk.values():
+            if st.path is not None:
+                try:
+                    out.append((st.scope, st.tokens, st.path.read_bytes()))
+                except OSError:
+                    pass
+        return out
+
     def _drop(self, key: str) -> None:
         st = self._ram.pop(key, None)
         if st is not None:

@@ -25,6 +25,7 @@ import llama_cpp as ll
 import numpy as np
 
 from barrel.engine.kvcache import Slot, StateCache, common_prefix
+from barrel.engine.kvdisk import BLOCK, ModelStates, Saved
 from barrel.engine.model import LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,10 @@ class SlotManager:
         cache: StateCache,
         *,
         per_sequence: bool = False,
+        disk: ModelStates | None = None,
     ) -> None:
         self.ctx = ctx
+        self.disk = disk  # states saved when the model last stopped (barrel.engine.kvdisk)
         self.per_sequence = per_sequence  # a KV stream of its own for each sequence
         self.mem = ll.llama_get_memory(ctx)
         self.model = model
@@ -440,9 +443,13 @@ class SlotManager:
         return True
 
     def _restore(self, slot: Slot, prompt: list[int], keep: int, scope: str) -> int:
-        if not self.cache.enabled:
-            return 0
-        found = self.cache.best(prompt, keep, scope)
+        """Load the longest saved state of `prompt` longer than `keep` into `slot`, from
+        the state cache or the disk; returns the prefix of `prompt` it holds (0: none)."""
+        found = self.cache.best(prompt, keep, scope) if self.cache.enabled else None
+        if self.disk is not None:
+            n = self._restore_from_disk(slot, prompt, max(keep, found[2] if found else 0), scope)
+            if n:
+                return n
         if found is None:
             return 0
         key, saved, n = found
@@ -456,3 +463,38 @@ class SlotManager:
         slot.tokens = list(saved.tokens)
         slot.prompt_logits = saved.logits
         return n
+
+    def _restore_from_disk(self, slot: Slot, prompt: list[int], keep: int, scope: str) -> int:
+        assert self.disk is not None
+        found = self.disk.best(prompt, scope, keep)
+        if found is None:
+            return 0
+        entry, n = found
+        data = self.disk.disk.read(entry)
+        if data is None:
+            return 0
+        if not self._load(slot, data):
+            # a state this context refuses (another model's, a different layout): gone
+            logger.warning("a saved state of %s does not fit the context: removed", self.disk.model)
+            self.disk.disk.remove_where(lambda e: e.key != entry.key)
+            slot.tokens = []
+            return 0
+        slot.tokens = entry.tokens.tolist()
+        slot.prompt_logits = None
+        self.disk.disk.restored(self.disk.model, min(n, len(prompt) - 1))
+        return n
+
+    def states(self) -> list[Saved]:
+        """What the context and the state cache hold, to write to disk as the engine
+        stops: every sequence and pinned prefix of at least a block of tokens, and the
+        cache's entries."""
+        out = []
+        for slot in self.slots + self.pins:
+            if len(slot.tokens) >= BLOCK:
+                data = self._state_of(slot)
+                if data is not None:
+                    out.append(Saved(slot.scope, tuple(slot.tokens), data))
+        for scope, tokens, data in self.cache.entries():
+            if len(tokens) >= BLOCK:
+                out.append(Saved(scope, tokens, data))
+        return out
