@@ -162,6 +162,11 @@ class ModelsConfig(_Section, frozen=True):
     # Evictor: below this much available memory, unload idle models one per interval.
     memory_watermark_bytes: int = 0  # 0: off
     evictor_interval_s: float = 5.0
+    # Conversations kept across unloads and restarts: the KV states of a model's sequences
+    # are written under <cache_root>/kv-states as its engine stops (not when it crashes)
+    # and restored when a prompt extends one. One budget for all models, least recently
+    # used first; 0: off.
+    kv_states_bytes: int = 4 << 30
     # New model files (created, pulled) must load and run in a child process first: an
     # abort inside llama.cpp then fails the create or pull instead of the daemon.
     trial_load: bool = True
@@ -200,6 +205,10 @@ class Config(_Section, frozen=True):
         if self.models.cache_root:
             return Path(self.models.cache_root).expanduser()
         return Path(platformdirs.user_data_dir("barrel"))
+
+    @property
+    def kv_states_dir(self) -> Path:
+        return self.cache_root / "kv-states"
 
     @property
     def import_dir(self) -> Path:
@@ -298,6 +307,8 @@ def validate(config: Config, source: str) -> None:
             errors.append(f"limits.{key}: must be positive")
     if config.responses.store_ttl_s <= 0 or config.responses.max_stored < 0:
         errors.append("responses: store_ttl_s > 0 and max_stored >= 0 required")
+    if config.models.kv_states_bytes < 0:
+        errors.append("models.kv_states_bytes: must be 0 (off) or more")
     if config.models.max_context_size < 64:
         errors.append("models.max_context_size: must be at least 64")
     if not 0 <= config.models.defaults.prefill_step_s <= 60:

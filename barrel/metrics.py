@@ -90,6 +90,10 @@ class Metrics:
         live = self.live.setdefault(model, LiveStats())
         return EngineMetrics(self.engine, model, live)
 
+    def kv_restored(self, model: str, tokens: int) -> None:
+        """barrel.engine.kvdisk's `on_restored` (an engine thread)."""
+        self.engine.restored_tokens.labels(model=model).inc(tokens)
+
     def pipeline_timings(self, render_s: float, parse_s: float) -> None:
         """The chat pipeline's `timings` callback."""
         self.template_render.observe(render_s)
@@ -163,6 +167,11 @@ class _EngineFamilies:
         self.draft_accepted = counter(
             "barrel_engine_draft_accepted_tokens",
             "Speculative draft tokens kept (equal to the token sampled there)",
+            ["model"],
+        )
+        self.restored_tokens = counter(
+            "barrel_engine_restored_tokens",
+            "Prompt tokens restored from states saved on disk when a model last stopped",
             ["model"],
         )
         self.turn_tokens = counter(

@@ -23,6 +23,7 @@ from barrel.actors.supervisor import ChildSpec, SupervisorEnv
 from barrel.actors.timers import Timers
 from barrel.actors.tree import daemon_tree
 from barrel.config import Config
+from barrel.engine.kvdisk import KVDisk
 from barrel.engine.model import configure_kernels
 from barrel.engine.residency import ResidencyTracker
 from barrel.futures import ToLoop
@@ -43,6 +44,7 @@ class Services:
     residency: ResidencyTracker
     runtime: Runtime
     models: Models
+    kv_disk: KVDisk | None = None  # conversations kept across unloads (None: off)
 
 
 def build_services(
@@ -58,11 +60,15 @@ def build_services(
     tracker = ResidencyTracker()
     metrics = Metrics()
     metrics.watch_residency(tracker.resident)
+    budget = config.models.kv_states_bytes
+    disk = KVDisk(config.kv_states_dir, budget, metrics.kv_restored) if budget > 0 else None
     env = SupervisorEnv(Registry(), timers.clock, metrics)
-    build = tree or (lambda env: daemon_tree(config, env, models, store, timers, tracker, metrics))
+    build = tree or (
+        lambda env: daemon_tree(config, env, models, store, timers, tracker, metrics, disk)
+    )
     runtime = Runtime(build, env, timers)
-    facade = Models(config, runtime, store, metrics, tracker)
-    return Services(config, store, timers, metrics, tracker, runtime, facade)
+    facade = Models(config, runtime, store, metrics, tracker, disk)
+    return Services(config, store, timers, metrics, tracker, runtime, facade, disk)
 
 
 @asynccontextmanager

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from barrel.engine.engine import Engine, EngineOptions
-from barrel.engine.kvdisk import BLOCK, SUFFIX, TEMP_SUFFIX, KVDisk, Saved, chain
+from barrel.engine.kvdisk import BLOCK, SUFFIX, TEMP_SUFFIX, KVDisk, Saved, SaveTo, chain
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import GREEDY, GenerationRequest
 
@@ -45,7 +45,8 @@ async def _turn(e: Engine, prompt: list[int], scope: str = "", n: int = 8) -> tu
 
 
 def _engine(model: LlamaModel, disk: KVDisk | None, opts: EngineOptions = OPTS) -> Engine:
-    return Engine(model, opts, name="tiny", disk=disk, blob="sha256:tiny").start()
+    save_to = None if disk is None else SaveTo(disk, "tiny", "sha256:tiny")
+    return Engine(model, opts, name="tiny", save_to=save_to).start()
 
 
 async def test_a_conversation_goes_on_after_its_engine_stops(
@@ -63,7 +64,8 @@ async def test_a_conversation_goes_on_after_its_engine_stops(
     finally:
         warm.stop()
     usage = disk.usage()
-    assert usage["tiny"][0] >= 1 and usage["tiny"][1] > 0
+    assert usage["tiny"][0] >= 1
+    assert usage["tiny"][1] > 0
 
     cold = _engine(model, disk)
     try:
@@ -80,7 +82,8 @@ async def test_a_conversation_goes_on_after_its_engine_stops(
         again, reused = await _turn(plain, follow)
     finally:
         plain.stop()
-    assert reused == 0 and again == expected
+    assert reused == 0
+    assert again == expected
 
 
 async def test_another_scope_never_restores_a_state(model: LlamaModel, tmp_path: Path) -> None:
@@ -165,10 +168,10 @@ async def test_a_damaged_state_is_removed_and_the_request_answers(
 
 
 def _fingerprint(disk: KVDisk) -> str:
-    with disk._lock:  # noqa: SLF001 - the test reads the one entry's fingerprint
-        disk._index()  # noqa: SLF001
-        assert disk._entries is not None  # noqa: SLF001
-        [entry] = disk._entries.values()  # noqa: SLF001
+    with disk._lock:
+        disk._index()
+        assert disk._entries is not None
+        [entry] = disk._entries.values()
     return entry.fingerprint
 
 
@@ -204,7 +207,8 @@ async def test_the_disk_budget_holds_under_distinct_conversations(
         _, oldest = await _turn(e, _prompt(model, 80, 10))
     finally:
         e.stop()
-    assert newest > BLOCK and oldest < BLOCK  # (a first token both prompts share, at most)
+    assert newest > BLOCK
+    assert oldest < BLOCK
 
 
 def test_a_state_extending_another_replaces_it(tmp_path: Path) -> None:
@@ -216,7 +220,8 @@ def test_a_state_extending_another_replaces_it(tmp_path: Path) -> None:
     assert not disk.write("m", "fp", "b", Saved("", short, b"s" * 100))  # a prefix of one kept
     assert disk.usage()["m"][0] == 1
     found = disk.best("fp", "", [*short, 7, 7], 0)
-    assert found is not None and found[1] == len(short)
+    assert found is not None
+    assert found[1] == len(short)
     assert len(chain(np.asarray(long, dtype=np.int32))) == 3
 
 
@@ -267,5 +272,6 @@ def test_a_kill_during_a_write_leaves_nothing_to_trip_on(tmp_path: Path) -> None
     assert not any(p.name.endswith(TEMP_SUFFIX) for p in root.iterdir())
     assert not torn.exists()
     found = disk.best("fp", "", list(range(1, 1000)), 0)
-    assert found is not None and found[1] == 512
+    assert found is not None
+    assert found[1] == 512
     assert disk.read(found[0]) == bytes(64 << 20)

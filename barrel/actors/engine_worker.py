@@ -21,6 +21,7 @@ from typing import Any
 from barrel.actors.child import Child, Exit, Link
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine, EngineObserver
+from barrel.engine.kvdisk import KVDisk, SaveTo
 from barrel.engine.model import LlamaModel, ModelOptions
 from barrel.engine.residency import ResidencyTracker, advise, pin_resident
 from barrel.engine.types import Done
@@ -60,6 +61,8 @@ class EngineWorker(Child):
         tracker: ResidencyTracker | None = None,
         model: str = "",
         on_ready: OnReady | None = None,
+        disk: KVDisk | None = None,
+        blob: str = "",
     ) -> None:
         super().__init__(link)
         self.path = path
@@ -73,6 +76,7 @@ class EngineWorker(Child):
         self._engine: Engine | None = None
         self._ready: concurrent.futures.Future[Engine] = concurrent.futures.Future()
         self._on_ready = on_ready
+        self.disk, self.blob = disk, blob  # saved states (barrel.engine.kvdisk)
 
     def init(self) -> None:
         self.actor_ref.tell(_Load())
@@ -103,6 +107,9 @@ class EngineWorker(Child):
                 name=self.link.id,
                 observer=observer,
                 on_crash=self._engine_crashed,
+                save_to=None
+                if self.disk is None
+                else SaveTo(self.disk, self.model_label, self.blob),
             ).start()
         except BarrelError as exc:
             # A model that cannot load (bad file, no memory for the context) fails the

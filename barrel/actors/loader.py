@@ -45,6 +45,7 @@ from barrel.actors.supervisor import (
 )
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
+from barrel.engine.kvdisk import KVDisk
 from barrel.engine.model import LoadMode, ModelOptions
 from barrel.engine.residency import ResidencyTracker
 from barrel.errors import BarrelError, NotFound, Unavailable
@@ -144,8 +145,10 @@ class Loader(Child):
         period: float = 60.0,
         tracker: ResidencyTracker | None = None,
         metrics: Any = None,
+        kv_disk: KVDisk | None = None,
     ) -> None:
         super().__init__(link)
+        self.kv_disk = kv_disk  # where engines save their states as they stop
         self.tracker = tracker
         self.metrics = metrics
         self.registry = registry
@@ -272,6 +275,8 @@ class Loader(Child):
                 tracker=self.tracker,
                 model=name,
                 on_ready=partial(self._report, name, loaded.generation),
+                disk=self.kv_disk,
+                blob=spec.digest,
             ),
             restart=Restart.PERMANENT,
             shutdown=30.0,

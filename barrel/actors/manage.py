@@ -27,6 +27,7 @@ from barrel.actors.tree import CATALOG, PULL_SUP
 from barrel.actors.tree import STORE as STORE_ACTOR
 from barrel.background import in_background
 from barrel.config import Config
+from barrel.engine.kvdisk import KVDisk
 from barrel.errors import BarrelError, InvalidRequest, NotFound, Unavailable
 from barrel.futures import ToLoop
 from barrel.store import modelfile as mf
@@ -95,10 +96,13 @@ def _entry(rec: ModelRecord) -> ModelEntry:
 
 
 class ModelManager:
-    def __init__(self, config: Config, registry: Registry, store: ModelStore) -> None:
+    def __init__(
+        self, config: Config, registry: Registry, store: ModelStore, kv_disk: KVDisk | None = None
+    ) -> None:
         self.config = config
         self.registry = registry
         self.store = store
+        self.kv_disk = kv_disk  # conversations saved on disk (barrel.engine.kvdisk)
 
     def _store_actor(self) -> Any:
         return self.registry.get(STORE_ACTOR)
@@ -287,8 +291,12 @@ class ModelManager:
         """Remove a store model, or unregister a --model file (the file stays)."""
         try:
             await bridge.call(self._catalog(), Catalog.forget, name)
+            gone = name
         except NotFound:
-            await bridge.call(self._store_actor(), StoreActor.delete, self.model_name(name))
+            gone = self.model_name(name)
+            await bridge.call(self._store_actor(), StoreActor.delete, gone)
+        if self.kv_disk is not None:
+            await asyncio.to_thread(self.kv_disk.remove_where, lambda e: e.model != gone)
 
     async def edit(self, name: str, parameters: dict[str, Any]) -> str:
         mf.normalize_parameters({k: v for k, v in parameters.items() if v is not None})
@@ -302,6 +310,9 @@ class ModelManager:
         removed, partials = await bridge.call(
             self._store_actor(), StoreActor.prune, timeout=STORE_TIMEOUT
         )
+        if self.kv_disk is not None:  # the saved conversations of models gone
+            names = {m.name for m in await self.all_models()}
+            await asyncio.to_thread(self.kv_disk.remove_where, lambda e: e.model in names)
         return removed, len(partials)
 
     # -- blobs ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from barrel.actors.model_session import ModelCaches, ModelSession
 from barrel.actors.runtime import Runtime
 from barrel.config import Config, keep_alive_seconds
 from barrel.engine.errors import EngineStopped
+from barrel.engine.kvdisk import KVDisk
 from barrel.engine.model import batch_invariant
 from barrel.engine.residency import ResidencyTracker
 from barrel.errors import BarrelError
@@ -58,11 +59,13 @@ class Models:
         store: ModelStore,
         metrics: Metrics,
         residency: ResidencyTracker,
+        kv_disk: KVDisk | None = None,
     ) -> None:
         self.config = config
+        self.kv_disk = kv_disk
         self.runtime = runtime
         self.lifecycle = Lifecycle(config, runtime.registry, store)
-        self.manage = ModelManager(config, runtime.registry, store)
+        self.manage = ModelManager(config, runtime.registry, store, kv_disk)
         self.metrics = metrics
         self.residency = residency
         self._caches = ModelCaches(render_budget_s=config.limits.template_render_s)
@@ -183,7 +186,18 @@ class Models:
             "recent_requests": list(metrics.recent)[::-1],
             "pulls": await self.manage.pulls(),
             "restarts": dict(metrics.restart_counts),
+            "kv_states": await self._kv_states(),
         }
+
+    async def _kv_states(self) -> list[dict[str, Any]]:
+        """Per model, the conversation states saved on disk (barrel.engine.kvdisk)."""
+        if self.kv_disk is None:
+            return []
+        usage = await asyncio.to_thread(self.kv_disk.usage)
+        return [
+            {"model": model, "states": count, "bytes": size}
+            for model, (count, size) in sorted(usage.items())
+        ]
 
     async def readiness(self) -> Readiness:
         """Whether the tree is booted and which registered actors are down or do not

@@ -44,6 +44,7 @@ from barrel.actors.supervisor import (
 )
 from barrel.actors.timers import Timers
 from barrel.config import Config, SupervisorLimits, parse_duration
+from barrel.engine.kvdisk import KVDisk
 from barrel.engine.residency import ResidencyTracker
 from barrel.store.sources import Registries
 from barrel.store.store import ModelStore
@@ -76,6 +77,7 @@ def daemon_tree(
     timers: Timers,
     tracker: ResidencyTracker | None = None,
     metrics: Any = None,
+    kv_disk: KVDisk | None = None,
 ) -> ChildSpec:
     sup = config.supervision
     keep_alive = parse_duration(config.models.default_keep_alive)
@@ -128,6 +130,7 @@ def daemon_tree(
                     period=sup.models.period_s,
                     tracker=tracker,
                     metrics=metrics,
+                    kv_disk=kv_disk,
                 ),
                 shutdown=60.0,
             ),

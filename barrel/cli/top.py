@@ -78,6 +78,15 @@ def _pulls(status: dict[str, Any]) -> RenderableType:
     return table
 
 
+def _kv_states(status: dict[str, Any]) -> RenderableType:
+    """Conversations saved on disk, per model (kept across unloads and restarts)."""
+    states = status.get("kv_states", [])
+    if not states:
+        return Text("Saved conversations: none", style="dim")
+    shown = ", ".join(f"{s['model']} {s['states']} ({_bytes(s['bytes'])})" for s in states)
+    return Text(f"Saved conversations: {shown}")
+
+
 def render_status(status: dict[str, Any], width: int | None = None) -> RenderableType:
     """One frame of `barrel top`; a `width` under NARROW drops the less urgent columns."""
     restarts = status.get("restarts", {})
@@ -87,7 +96,8 @@ def render_status(status: dict[str, Any], width: int | None = None) -> Renderabl
         f"supervisor restarts: {shown}",
         style="bold",
     )
-    return Group(head, _models(status, width), _pulls(status), _recent(status))
+    models = _models(status, width)
+    return Group(head, models, _kv_states(status), _pulls(status), _recent(status))
 
 
 async def top(client: BarrelClient, console: Console, *, once: bool = False) -> None:

@@ -53,7 +53,7 @@ from barrel.engine.errors import (
 )
 from barrel.engine.inbox import Cancel, Embed, Fault, Pin, PinJob, Stop, Submit, Wake
 from barrel.engine.kvcache import StateCache
-from barrel.engine.kvdisk import WRITE_WAIT_S, KVDisk, model_states
+from barrel.engine.kvdisk import WRITE_WAIT_S, SaveTo, model_states
 from barrel.engine.lora import Loras
 from barrel.engine.model import LlamaModel
 from barrel.engine.observer import EngineObserver, NoObserver
@@ -86,11 +86,9 @@ class Engine:
         name: str = "model",
         observer: EngineObserver | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
-        disk: KVDisk | None = None,
-        blob: str = "",
+        save_to: SaveTo | None = None,
     ) -> None:
-        """`disk`: where states are saved as the engine stops and restored from (the
-        model's weights known by `blob`, their digest)."""
+        """`save_to`: where states are saved as the engine stops, and restored from."""
         self.model = model
         self.options = opts = effective_options(options or EngineOptions())
         self.name = name
@@ -112,8 +110,8 @@ class Engine:
             cache,
             per_sequence=opts.kv_per_sequence and not opts.embedding,
             disk=None
-            if disk is None or opts.embedding
-            else model_states(disk, name, blob, model.path, opts, self.n_ctx),
+            if save_to is None or opts.embedding
+            else model_states(save_to, model.path, opts, self.n_ctx),
         )
         self._saving: threading.Event | None = None  # the states being written
         self._batch = Batch(max(opts.n_batch, 1))

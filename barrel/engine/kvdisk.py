@@ -428,11 +428,19 @@ class ModelStates:
         )
 
 
-def model_states(
-    disk: KVDisk, model: str, blob: str, path: Path, opts: EngineOptions, n_ctx: int
-) -> ModelStates:
-    """The view of a model loaded from `path` (weights `blob`: its digest, or "" for a
-    file outside the store, then known by its path, size and time) with `opts`."""
+@dataclass(frozen=True)
+class SaveTo:
+    """Where an engine saves its states: the disk, the model's name and its weights'
+    digest ("" for a file outside the store: known by its path, size and time)."""
+
+    disk: KVDisk
+    model: str
+    blob: str = ""
+
+
+def model_states(to: SaveTo, path: Path, opts: EngineOptions, n_ctx: int) -> ModelStates:
+    """The view of `to.model`, loaded from `path` with `opts`, of the saved states."""
+    blob = to.blob
     if not blob:
         try:
             st = path.stat()
@@ -450,4 +458,4 @@ def model_states(
         swa_full=opts.swa_full,
         per_sequence=opts.kv_per_sequence,
     )
-    return ModelStates(disk, model, fp, blob)
+    return ModelStates(to.disk, to.model, fp, blob)
