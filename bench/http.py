@@ -139,14 +139,17 @@ def start_daemon(
     n: int = 0,
     env: dict[str, str] | None = None,
     ctx: int = CTX,
+    models: str = "",
 ) -> tuple[subprocess.Popen[bytes], str]:
     """The `n`th Barrel daemon of a bench (its own port and config), with `defaults`
-    added to its `[models.defaults]` (TOML lines) and `env` added to its environment."""
+    added to its `[models.defaults]` and `models` to its `[models]` (TOML lines), and
+    `env` added to its environment."""
     port = 18000 + (os.getpid() + 7 * n) % 1000
     config = tmp / f"bench{n}.toml"
     config.write_text(
         f'[server]\naccess_log = false\n[models]\ncache_root = "{tmp / f"store{n}"}"\n'
-        f"max_context_size = {ctx}\n[models.defaults]\nnum_seq_max = {clients}\n{defaults}\n"
+        f"max_context_size = {ctx}\n{models}\n"
+        f"[models.defaults]\nnum_seq_max = {clients}\n{defaults}\n"
     )
     proc = subprocess.Popen(
         [

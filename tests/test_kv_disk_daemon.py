@@ -19,6 +19,7 @@ import pytest
 from rich.console import Console
 
 from barrel.cli.top import render_status
+from barrel.engine.kvdisk import KVDisk, Saved
 from tests.daemon import Daemon, serve_models
 
 
@@ -110,33 +111,42 @@ def test_the_next_turn_after_a_restart_restores_the_conversation(
 ) -> None:
     d = _start(tmp_path, models)
     try:
-        messages, warm = _conversation(d.url, "qwen", seed=3)
-        d.signal(signal.SIGTERM)  # a clean stop: the engine writes its states
+        chats = {name: _conversation(d.url, name, seed=3) for name in ("tiny", "qwen")}
+        d.signal(signal.SIGTERM)  # a clean stop: the engines write their states
         assert d.wait(120) == 0
     finally:
         d.kill()
     d = _start(tmp_path, models)
     try:
-        console_status = _status(d.url)
-        answer, prompt, cached = _chat(d.url, "qwen", messages)
+        status = _status(d.url)
+        after = {name: _chat(d.url, name, messages) for name, (messages, _) in chats.items()}
     finally:
         d.kill()
-    assert cached == prompt - 1
-    assert answer == warm
-    (qwen,) = console_status["kv_states"]  # type: ignore[misc]
-    assert qwen["model"] == "qwen"
+    for name, (answer, prompt, cached) in after.items():
+        assert cached == prompt - 1, name
+        assert answer == chats[name][1], name
+    assert [s["model"] for s in status["kv_states"]] == ["qwen", "tiny"]  # type: ignore[attr-defined]
     console = Console(record=True, width=160)
-    console.print(render_status(console_status))
-    assert re.search(r"Saved conversations: qwen 1 \(\d", console.export_text())
+    console.print(render_status(status))
+    text = console.export_text()
+    assert re.search(r"Saved conversations: qwen \d+ \(\d.*\), tiny \d+ \(", text), text
 
 
-def test_deleting_a_model_removes_its_states(tmp_path: Path, models: dict[str, Path]) -> None:
+def test_prune_and_delete_remove_the_states_of_models_gone(
+    tmp_path: Path, models: dict[str, Path]
+) -> None:
+    # a state left by a model no longer registered
+    old = KVDisk(tmp_path / "cache" / "kv-states", 1 << 30)
+    assert old.write("gone", "fp", "sha256:gone", Saved("", tuple(range(300)), b"x" * 1000))
     d = _start(tmp_path, {"tiny": models["tiny"]})
     try:
         _conversation(d.url, "tiny", seed=4)
         _unload(d.url, "tiny")
+        assert [s["model"] for s in _status(d.url)["kv_states"]] == ["gone", "tiny"]  # type: ignore[attr-defined]
+        client = ollama.Client(host=d.url, timeout=60)
+        assert httpx.post(d.url + "/api/prune", json={}, timeout=60).status_code == 200
         assert [s["model"] for s in _status(d.url)["kv_states"]] == ["tiny"]  # type: ignore[attr-defined]
-        ollama.Client(host=d.url, timeout=60).delete("tiny")
+        client.delete("tiny")
         assert _status(d.url)["kv_states"] == []
         files = list((tmp_path / "cache" / "kv-states").glob("*"))
     finally:
