@@ -24,6 +24,7 @@ from barrel.engine.kvdisk import (
     MAGIC,
     SUFFIX,
     TEMP_SUFFIX,
+    TOKEN,
     KVDisk,
     Saved,
     SaveTo,
@@ -250,7 +251,8 @@ async def test_the_disk_budget_holds_under_distinct_conversations(
 
 def test_a_state_extending_another_replaces_it(tmp_path: Path) -> None:
     disk = KVDisk(tmp_path, 1 << 30)
-    short = tuple(range(BLOCK * 2))
+    image = -1 - (2**62 + 12345)  # an image's placeholder: 63 bits (barrel.engine.vision)
+    short = (image, *range(BLOCK * 2 - 1))
     long = (*short, *range(1000, 1000 + BLOCK))
     assert disk.write("m", "fp", "b", Saved("", short, b"s" * 100))
     assert disk.write("m", "fp", "b", Saved("", long, b"l" * 100))
@@ -259,7 +261,7 @@ def test_a_state_extending_another_replaces_it(tmp_path: Path) -> None:
     found = disk.best("fp", "", [*short, 7, 7], 0)
     assert found is not None
     assert found[1] == len(short)
-    assert len(chain(np.asarray(long, dtype=np.int32))) == 3
+    assert len(chain(np.asarray(long, dtype=TOKEN))) == 3
 
 
 _WRITER = textwrap.dedent(

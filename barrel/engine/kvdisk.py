@@ -52,10 +52,11 @@ MAX_HEADER = 64 * 1024
 WRITE_WAIT_S = 15.0
 
 _LEN = struct.Struct("<I")
+TOKEN = np.dtype("<i8")  # image placeholders are 63-bit (barrel.engine.vision)
 
 
 def chain(tokens: np.ndarray) -> list[bytes]:
-    """The hash chain over whole BLOCKs of `tokens` (int32): link i covers every token
+    """The hash chain over whole BLOCKs of `tokens` (int64): link i covers every token
     up to the end of block i, so two prompts share link i iff they share those tokens."""
     links: list[bytes] = []
     prev = b""
@@ -79,7 +80,7 @@ class Entry:
     fingerprint: str
     blob: str  # the weights' digest or path (what `prune` checks still exists)
     scope: str
-    tokens: np.ndarray  # int32
+    tokens: np.ndarray  # int64
     size: int  # bytes of the file
     used: float  # last written or restored (wall clock; the LRU order)
     links: tuple[bytes, ...] = ()
@@ -121,7 +122,7 @@ class KVDisk:
         """The saved state of `fp` and `scope` sharing the longest prefix with `prompt`
         (whole chain blocks found through the index, then counted token by token), if
         longer than `min_len`."""
-        tokens = np.asarray(prompt, dtype=np.int32)
+        tokens = np.asarray(prompt, dtype=TOKEN)
         links = chain(tokens)
         with self._lock:
             self._index()
@@ -150,7 +151,7 @@ class KVDisk:
             logger.warning("saved state %s unreadable (%s): removed", entry.path.name, exc)
             self._remove(entry.key)
             return None
-        n = int(header["tokens"]) * 4
+        n = int(header["tokens"]) * TOKEN.itemsize
         if (
             len(body) != n + int(header["data"])
             or hashlib.sha256(body).hexdigest() != header["sha256"]
@@ -222,7 +223,7 @@ class KVDisk:
         """Write one state atomically (temp file, rename) within the budget, dropping the
         least recently used states to make room and those whose tokens it extends. False
         if it is larger than the budget, repeats a prefix of a kept state, or failed."""
-        tokens = np.asarray(st.tokens, dtype=np.int32)
+        tokens = np.asarray(st.tokens, dtype=TOKEN)
         links = chain(tokens)
         if not links:
             return False  # shorter than a block: nothing a lookup would find
@@ -390,12 +391,12 @@ def _scan(path: Path) -> Entry | None:
         with path.open("rb") as f:
             header, body_at = _read_header(f)
             n = int(header["tokens"])
-            raw = f.read(n * 4)
+            raw = f.read(n * TOKEN.itemsize)
     except (OSError, ValueError, UnicodeDecodeError):
         return None
-    if len(raw) != n * 4 or st.st_size != body_at + n * 4 + int(header["data"]):
+    if len(raw) != n * TOKEN.itemsize or st.st_size != body_at + len(raw) + int(header["data"]):
         return None
-    tokens = np.frombuffer(raw, dtype=np.int32).copy()
+    tokens = np.frombuffer(raw, dtype=TOKEN).copy()
     return Entry(
         path.name[: -len(SUFFIX)],
         path,
@@ -421,6 +422,26 @@ class ModelStates:
 
     def best(self, prompt: list[int], scope: str, min_len: int) -> tuple[Entry, int] | None:
         return self.disk.best(self.fingerprint, scope, prompt, min_len)
+
+    def restore(
+        self, prompt: list[int], scope: str, keep: int, load: Callable[[bytes], bool]
+    ) -> tuple[list[int], int] | None:
+        """The longest saved state of `prompt` past `keep` tokens, put in place by `load`:
+        (its tokens, the prefix of `prompt` they hold). None if there is none or `load`
+        refuses it (another model's state, a different layout: then it is removed)."""
+        found = self.best(prompt, scope, keep)
+        if found is None:
+            return None
+        entry, n = found
+        data = self.disk.read(entry)
+        if data is None:
+            return None
+        if not load(data):
+            logger.warning("a saved state of %s does not fit the context: removed", self.model)
+            self.disk.remove_where(lambda e: e.key != entry.key)
+            return None
+        self.disk.restored(self.model, min(n, len(prompt) - 1))
+        return entry.tokens.tolist(), n
 
     def save(self, states: list[Saved]) -> threading.Event:
         return self.disk.submit(

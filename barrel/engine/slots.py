@@ -447,9 +447,9 @@ class SlotManager:
         the state cache or the disk; returns the prefix of `prompt` it holds (0: none)."""
         found = self.cache.best(prompt, keep, scope) if self.cache.enabled else None
         if self.disk is not None:
-            n = self._restore_from_disk(slot, prompt, max(keep, found[2] if found else 0), scope)
-            if n:
-                return n
+            got = self._restore_from_disk(slot, prompt, max(keep, found[2] if found else 0), scope)
+            if got:
+                return got
         if found is None:
             return 0
         key, saved, n = found
@@ -466,23 +466,23 @@ class SlotManager:
 
     def _restore_from_disk(self, slot: Slot, prompt: list[int], keep: int, scope: str) -> int:
         assert self.disk is not None
-        found = self.disk.best(prompt, scope, keep)
-        if found is None:
+        tried = []
+
+        def load(data: bytes) -> bool:
+            tried.append(True)
+            return self._load(slot, data)
+
+        try:
+            got = self.disk.restore(prompt, scope, keep, load)
+        except Exception:  # a saved state never takes the engine down
+            logger.exception("restoring a saved state of %s failed", self.disk.model)
+            got = None
+        if got is None:
+            if tried:  # the sequence was emptied for it
+                self._drop(slot)
             return 0
-        entry, n = found
-        data = self.disk.disk.read(entry)
-        if data is None:
-            return 0
-        if not self._load(slot, data):
-            # a state this context refuses (another model's, a different layout): gone
-            logger.warning("a saved state of %s does not fit the context: removed", self.disk.model)
-            self.disk.disk.remove_where(lambda e: e.key != entry.key)
-            slot.tokens = []
-            return 0
-        slot.tokens = entry.tokens.tolist()
-        slot.prompt_logits = None
-        self.disk.disk.restored(self.disk.model, min(n, len(prompt) - 1))
-        return n
+        slot.tokens, slot.prompt_logits = got[0], None
+        return got[1]
 
     def states(self) -> list[Saved]:
         """What the context and the state cache hold, to write to disk as the engine
