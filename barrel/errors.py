@@ -49,6 +49,11 @@ class NotFound(BarrelError):
     code = "not_found"
 
 
+class Conflict(BarrelError):
+    status = 409
+    code = "conflict"
+
+
 class UnsupportedMediaType(BarrelError):
     status = 415
     code = "unsupported_media_type"

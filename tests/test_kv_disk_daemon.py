@@ -140,14 +140,20 @@ def test_prune_and_delete_remove_the_states_of_models_gone(
     assert old.write("gone", "fp", "sha256:gone", Saved("", tuple(range(300)), b"x" * 1000))
     d = _start(tmp_path, {"tiny": models["tiny"]})
     try:
-        _conversation(d.url, "tiny", seed=4)
-        _unload(d.url, "tiny")
-        assert [s["model"] for s in _status(d.url)["kv_states"]] == ["gone", "tiny"]  # type: ignore[attr-defined]
         client = ollama.Client(host=d.url, timeout=60)
+        client.copy("tiny", "mine")  # a store model: deleting it is the daemon's to do
+        name = next(m.model for m in client.list().models if m.model.startswith("mine"))
+        _conversation(d.url, name, seed=4)
+        _unload(d.url, name)
+
+        def saved() -> list[str]:
+            return [s["model"] for s in _status(d.url)["kv_states"]]  # type: ignore[attr-defined]
+
+        assert saved() == ["gone", name]
         assert httpx.post(d.url + "/api/prune", json={}, timeout=60).status_code == 200
-        assert [s["model"] for s in _status(d.url)["kv_states"]] == ["tiny"]  # type: ignore[attr-defined]
-        client.delete("tiny")
-        assert _status(d.url)["kv_states"] == []
+        assert saved() == [name]
+        client.delete(name)
+        assert saved() == []
         files = list((tmp_path / "cache" / "kv-states").glob("*"))
     finally:
         d.kill()

@@ -47,8 +47,17 @@ def test_cp_show_rm_and_latest_work_on_a_model_given_with_dash_dash_model(
         assert "mine" in listed
         assert "demo" in listed
         assert barrel(daemon, "rm", "mine").returncode == 0
-        assert barrel(daemon, "rm", "demo").returncode == 0  # unregistered; the file stays
-        assert httpx.get(daemon.url + "/api/tags", timeout=30).json()["models"] == []
+        found = httpx.post(daemon.url + "/api/search", json={"query": "dem"}, timeout=30).json()
+        assert [m["source"] for m in found["models"] if m["name"].startswith("demo")] == ["local"]
+        # a file given on the command line is not the daemon's to remove: 409, saying where
+        refused = httpx.request("DELETE", daemon.url + "/api/delete", json={"model": "demo"})
+        assert refused.status_code == 409
+        assert "command line (--model)" in refused.json()["error"]
+        assert barrel(daemon, "rm", "demo").returncode != 0
+        names = [
+            m["name"] for m in httpx.get(daemon.url + "/api/tags", timeout=30).json()["models"]
+        ]
+        assert names == ["demo:latest"] or names == ["demo"]
         assert tiny_path.exists()
     finally:
         daemon.kill()

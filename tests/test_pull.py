@@ -97,12 +97,14 @@ def test_pull_from_the_ollama_registry_reports_progress_in_order(
     assert seq[0] == "pulling manifest"
     assert seq[-3:] == ["verifying sha256 digest", "writing manifest", "success"]
     model_progress = [e for e in events if e.digest == digest]
+    # Ollama's words: the first 12 hex digits in the status, the whole digest beside it
+    assert {e.status for e in model_progress} == {f"pulling {digest.removeprefix('sha256:')[:12]}"}
     assert model_progress[-1].completed == model_progress[-1].total == gguf.stat().st_size
     done = [e.completed for e in model_progress]
     assert done == sorted(done), "completed only grows"
     # every blob is reported before the manifest is written
     assert seq.index("writing manifest") > max(
-        i for i, s in enumerate(seq) if s.startswith("pulling sha256")
+        i for i, s in enumerate(seq) if s.startswith("pulling ") and s != "pulling manifest"
     )
 
     listed = {m.model: m for m in env.client().list().models}

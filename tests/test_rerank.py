@@ -67,6 +67,32 @@ def test_top_n_return_documents_and_the_aliases(daemon: Daemon) -> None:
     assert [x["index"] for x in objects] == [x["index"] for x in full]
 
 
+def test_the_tei_shape_answers_in_tei_shape(daemon: Daemon) -> None:
+    """Hugging Face TEI's request (`texts`) gets TEI's answer: a list of {index, score}
+    best first, the same scores as the documents shape, `text` with `return_text`."""
+    full = rerank(daemon).json()["results"]
+    for path in ("/rerank", "/v1/rerank"):
+        payload = {"model": "ranker", "query": QUERY, "texts": DOCS}
+        r = httpx.post(daemon.url + path, json=payload, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert isinstance(body, list)
+        assert [x["index"] for x in body] == [x["index"] for x in full]
+        assert [x["score"] for x in body] == pytest.approx([x["relevance_score"] for x in full])
+        assert set(body[0]) == {"index", "score"}
+    r = httpx.post(
+        daemon.url + "/rerank",
+        json={"model": "ranker", "query": QUERY, "texts": DOCS, "return_text": True},
+        timeout=60,
+    )
+    assert [x["text"] for x in r.json()] == [DOCS[x["index"]] for x in r.json()]
+    bad = httpx.post(
+        daemon.url + "/rerank", json={"model": "ranker", "query": QUERY, "texts": []}, timeout=60
+    )
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "texts"
+
+
 def test_a_model_without_rank_pooling_is_a_400_before_it_loads(daemon: Daemon) -> None:
     r = rerank(daemon, model="tiny")
     assert r.status_code == 400

@@ -61,11 +61,3 @@ class Catalog(Child):
         if model is None:
             raise NotFound(f"model {name!r} not found")
         return model
-
-    def forget(self, name: str) -> None:
-        """Unregister a file (`/api/delete`): the file itself stays where it is."""
-        model = self.lookup(name)
-        self._models.pop(model.name, None)
-        self._paths.pop(model.name, None)
-        self._configs.pop(model.name, None)
-        logger.info("unregistered model %s (%s stays on disk)", model.name, model.path)

@@ -28,7 +28,7 @@ from barrel.actors.tree import STORE as STORE_ACTOR
 from barrel.background import in_background
 from barrel.config import Config
 from barrel.engine.kvdisk import KVDisk
-from barrel.errors import BarrelError, InvalidRequest, NotFound, Unavailable
+from barrel.errors import BarrelError, Conflict, InvalidRequest, NotFound, Unavailable
 from barrel.futures import ToLoop
 from barrel.store import modelfile as mf
 from barrel.store.download import open_url
@@ -196,7 +196,7 @@ class ModelManager:
         query = query.lower()
         local = [
             {**e.summary(), "source": "local"}
-            for e in await self.store_models()
+            for e in await self.all_models()  # the --model files too
             if query in e.name.lower()
         ]
         remote = await asyncio.to_thread(_search_registries, self.config.registry.hosts, query)
@@ -288,13 +288,24 @@ class ModelManager:
         return digest
 
     async def delete(self, name: str) -> None:
-        """Remove a store model, or unregister a --model file (the file stays)."""
+        """Remove a store model. A file the daemon was given (--model, [models] local)
+        is not the daemon's to remove: 409, naming where it is registered."""
         try:
-            await bridge.call(self._catalog(), Catalog.forget, name)
-            gone = name
+            local = await bridge.call(self._catalog(), Catalog.lookup, name)
         except NotFound:
-            gone = self.model_name(name)
-            await bridge.call(self._store_actor(), StoreActor.delete, gone)
+            local = None
+        if local is not None:
+            where = (
+                "the config's [models] local"
+                if local.name in self.config.models.local
+                else "the command line (--model)"
+            )
+            raise Conflict(
+                f"model {local.name!r} is the file {local.path} registered on {where}; "
+                "remove it there and restart the daemon"
+            )
+        gone = self.model_name(name)
+        await bridge.call(self._store_actor(), StoreActor.delete, gone)
         if self.kv_disk is not None:
             await asyncio.to_thread(self.kv_disk.remove_where, lambda e: e.model != gone)
 

@@ -16,12 +16,21 @@ from barrel.pipeline.request import Dialect
 __all__ = ["Dialect", "dialect_for", "error_body"]
 
 LLAMA_SERVER_PATHS = frozenset({"/tokenize", "/detokenize", "/rerank", "/reranking"})
+# OpenAI's routes without their /v1 (llama-server and vLLM serve both; an SDK whose base
+# URL has no /v1 asks for these).
+OPENAI_UNPREFIXED = frozenset(
+    {"/chat/completions", "/completions", "/embeddings", "/responses", "/models"}
+)
 
 
 def dialect_for(path: str) -> Dialect:
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return Dialect.ANTHROPIC
-    if path.startswith("/v1/") or path in LLAMA_SERVER_PATHS:
+    if (
+        path.startswith(("/v1/", "/models/", "/responses/"))
+        or path in LLAMA_SERVER_PATHS
+        or path in OPENAI_UNPREFIXED
+    ):
         return Dialect.OPENAI  # llama-server's own endpoints answer like OpenAI
     if path.startswith("/api/"):
         return Dialect.OLLAMA

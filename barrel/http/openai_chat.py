@@ -14,6 +14,7 @@ routes = web.RouteTableDef()
 
 
 @routes.post("/v1/chat/completions")
+@routes.post("/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req, body = codec.decode(await request.read(), conversation_of(request))
     check_limits(request, body.messages, body.tools)

@@ -20,6 +20,7 @@ routes = web.RouteTableDef()
 
 
 @routes.post("/v1/completions")
+@routes.post("/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     req, body = codec.decode(await request.read())
     transport = SseTransport(request) if req.stream else None

@@ -73,6 +73,7 @@ def _page(request: web.Request, names: list[str]) -> tuple[list[str], bool]:
 
 
 @routes.get("/v1/models")
+@routes.get("/models")
 async def list_models(request: web.Request) -> web.Response:
     models = await _models(request)
     listed = dict(models)
@@ -97,6 +98,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/models/{id:.+}")
+@routes.get("/models/{id:.+}")
 async def retrieve_model(request: web.Request) -> web.Response:
     asked = request.match_info["id"]
     name = request.app[CONFIG].resolve_alias(asked)
@@ -125,10 +127,14 @@ class EmbeddingsBody(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
+def _is_id(t: Any) -> bool:
+    return type(t) is int  # not a bool: `false` is no token id
+
+
 def _inputs(raw: Any, cap: int) -> list[str | list[int]]:
     if isinstance(raw, str):
         items: list[Any] = [raw]
-    elif isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
+    elif isinstance(raw, list) and raw and all(_is_id(t) for t in raw):
         items = [raw]  # one input given as token ids
     elif isinstance(raw, list):
         items = raw
@@ -138,9 +144,7 @@ def _inputs(raw: Any, cap: int) -> list[str | list[int]]:
         raise InvalidRequest(f"input must hold 1 to {cap} items", param="input")
     for i, item in enumerate(items):
         ok_text = isinstance(item, str) and item != ""
-        ok_ids = (
-            isinstance(item, list) and item and all(isinstance(t, int) and t >= 0 for t in item)
-        )
+        ok_ids = isinstance(item, list) and item and all(_is_id(t) and t >= 0 for t in item)
         if not (ok_text or ok_ids):
             raise InvalidRequest(
                 "each input must be a non-empty string or a non-empty list of token ids",
@@ -156,6 +160,7 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 
 
 @routes.post("/v1/embeddings")
+@routes.post("/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
     body = await decode(request, EmbeddingsBody)
     items = _inputs(body.input, request.app[CONFIG].limits.max_embedding_inputs)

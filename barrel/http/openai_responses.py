@@ -27,6 +27,7 @@ def store_of(request: web.Request) -> ResponseStore:
 
 
 @routes.post("/v1/responses")
+@routes.post("/responses")
 async def create_response(request: web.Request) -> web.StreamResponse:
     store = store_of(request)
 
@@ -48,6 +49,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 @routes.get("/v1/responses/{id}")
+@routes.get("/responses/{id}")
 async def retrieve_response(request: web.Request) -> web.Response:
     stored = store_of(request).get(request.match_info["id"])
     if stored is None:
@@ -56,6 +58,7 @@ async def retrieve_response(request: web.Request) -> web.Response:
 
 
 @routes.delete("/v1/responses/{id}")
+@routes.delete("/responses/{id}")
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["id"]
     if not store_of(request).delete(response_id):

@@ -4,6 +4,8 @@ in the shape llama-server, Jina and Cohere clients use.
 {model, query, documents: [string | {text}], top_n?, return_documents?} ->
 {id, object: "list", model, results: [{index, relevance_score, document?: {text}}]
 sorted by score, best first, at most top_n; usage: {prompt_tokens, total_tokens}}.
+Hugging Face TEI's shape, as llama-server reads it: {query, texts: [string],
+return_text?} -> [{index, score, text?}], best first.
 Only for models whose GGUF declares rank pooling (capability "rerank"): checked before
 the model is loaded. Errors in OpenAI's envelope.
 """
@@ -29,21 +31,21 @@ class RerankBody(msgspec.Struct, kw_only=True):
     documents: Any = None
     top_n: int | None = None
     return_documents: bool = False
+    texts: Any = None  # TEI's name for the documents: answered in TEI's shape
+    return_text: bool = False  # TEI
 
 
-def _texts(raw: Any, cap: int) -> list[str]:
+def _texts(raw: Any, cap: int, name: str) -> list[str]:
     if not isinstance(raw, list) or not raw:
-        raise InvalidRequest("documents must be a non-empty array", param="documents")
+        raise InvalidRequest(f"{name} must be a non-empty array", param=name)
     if len(raw) > cap:
-        raise InvalidRequest(f"documents: at most {cap} per request", param="documents")
+        raise InvalidRequest(f"{name}: at most {cap} per request", param=name)
     texts = []
     for item in raw:
         if isinstance(item, dict):
             item = item.get("text")
         if not isinstance(item, str):
-            raise InvalidRequest(
-                "each document must be a string or {text: string}", param="documents"
-            )
+            raise InvalidRequest(f"each of {name} must be a string or {{text: string}}", param=name)
         texts.append(item)
     return texts
 
@@ -52,7 +54,10 @@ async def rerank(request: web.Request) -> web.Response:
     body = await decode(request, RerankBody)
     if not isinstance(body.query, str) or not body.query:
         raise InvalidRequest("query must be a non-empty string", param="query")
-    documents = _texts(body.documents, request.app[CONFIG].limits.max_embedding_inputs)
+    tei = body.texts is not None and body.documents is None
+    raw = body.texts if tei else body.documents
+    cap = request.app[CONFIG].limits.max_embedding_inputs
+    documents = _texts(raw, cap, "texts" if tei else "documents")
     if body.top_n is not None and body.top_n < 1:
         raise InvalidRequest("top_n must be at least 1", param="top_n")
     models = request.app[MODELS]
@@ -65,6 +70,17 @@ async def rerank(request: web.Request) -> web.Response:
     async with models.open(body.model, embedding=True) as session:
         scores, tokens = await session.rerank(body.query, documents)
     order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
+    if tei:
+        return web.json_response(
+            [
+                {
+                    "index": i,
+                    "score": scores[i],
+                    **({"text": documents[i]} if body.return_text else {}),
+                }
+                for i in order[: body.top_n]
+            ]
+        )
     results: list[dict[str, Any]] = []
     for i in order[: body.top_n]:
         result: dict[str, Any] = {"index": i, "relevance_score": scores[i]}

@@ -81,6 +81,8 @@ class ChatRequest:
     pin_messages: int = 0
     lora: tuple[float, ...] | None = None  # GenerationRequest.lora
     ignore_eos: bool = False  # GenerationRequest.ignore_eos (the answer, not the thoughts)
+    generation_prompt: bool = True  # GenerateRequest.generation_prompt
+    continue_final: bool = False  # GenerateRequest.continue_final
     # the images the messages' markers name (barrel.pipeline.images): bytes by SHA-256
     images: dict[str, bytes] = field(default_factory=dict)
 
@@ -147,6 +149,29 @@ def _answer_schema(fmt: Format) -> dict[str, Any] | None:
     return fmt.schema if fmt.kind == "json_schema" else None
 
 
+def _open_final(prompt_text: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered prompt cut right after the final assistant message's text, so the
+    model continues it (vLLM's `continue_final_message`): the template's end of turn
+    and whatever follows go."""
+    final = messages[-1] if messages else {}
+    content = final.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if final.get("role") != "assistant" or not isinstance(content, str) or not content:
+        raise InvalidRequest(
+            "continue_final_message needs a final assistant message with text to continue",
+            param="continue_final_message",
+        )
+    at = prompt_text.rfind(content)
+    if at < 0:
+        raise InvalidRequest(
+            "continue_final_message: the chat template does not show the final message's "
+            "text as written",
+            param="continue_final_message",
+        )
+    return prompt_text[: at + len(content)]
+
+
 def prepare(
     req: ChatRequest,
     template: ChatTemplate,
@@ -171,7 +196,12 @@ def prepare(
     if tools and not template.renders_tools and template_family.name == "generic":
         messages = with_tool_instructions(messages, tools)
     start = time.perf_counter()
-    prompt_text = template.render(messages, tools or None, add_generation_prompt=True, **kwargs)
+    generation_prompt = req.generation_prompt and not req.continue_final
+    prompt_text = template.render(
+        messages, tools or None, add_generation_prompt=generation_prompt, **kwargs
+    )
+    if req.continue_final:
+        prompt_text = _open_final(prompt_text, messages)
     render_s = time.perf_counter() - start
     sampling = req.sampling
     grammar_schema = forced if forced is not None else schema

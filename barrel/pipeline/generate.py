@@ -337,6 +337,8 @@ async def _prepared(
         pin_messages=before + req.pin_messages if req.pin_messages else 0,
         lora=lora_scales(req.lora, session.adapters),
         ignore_eos=req.ignore_eos,
+        generation_prompt=req.generation_prompt,
+        continue_final=req.continue_final,
         images={images.digest_of_part(i): i.data for m in req.messages for i in m.images},
     )
     prep = await _render(session, chat, template)

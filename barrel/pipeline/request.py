@@ -174,6 +174,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     # scale 0. None: the model's adapters at their load-time scales.
     lora: tuple[tuple[int, float], ...] | None = None
     ignore_eos: bool = False  # generate past end-of-generation tokens, up to max_tokens
+    # vLLM's and llama-server's: the template's generation prompt (false: the prompt ends
+    # where the messages do), or the final assistant message left open and continued
+    generation_prompt: bool = True
+    continue_final: bool = False
     raw: RawPrompt | None = None
     completion: Completion | None = None  # OpenAI's completions (then `messages` is empty)
 

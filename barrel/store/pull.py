@@ -45,7 +45,7 @@ def run_pull(
         shown = art.digest or "sha256:unknown"
         if art.digest is not None and store.blobs.has(art.digest):
             size = store.blobs.size(art.digest)
-            emit({"status": f"pulling {shown}", "digest": shown, "total": size, "completed": size})
+            emit({"status": _pulling(shown), "digest": shown, "total": size, "completed": size})
             layers.append(Layer(art.media_type, art.digest, size))
             continue
         with store.download_slot(art.key) as partial:
@@ -57,7 +57,7 @@ def run_pull(
                 now = time.monotonic()
                 if now - last[0] >= interval or (total is not None and done >= total):
                     last[0] = now
-                    event: dict[str, Any] = {"status": f"pulling {shown}", "digest": shown}
+                    event: dict[str, Any] = {"status": _pulling(shown), "digest": shown}
                     if total is not None:
                         event["total"] = total
                     event["completed"] = done
@@ -82,11 +82,17 @@ def run_pull(
     return str(plan.name)
 
 
+def _pulling(digest: str) -> str:
+    """A layer's progress status as Ollama words it (its CLI builds progress lines from
+    it): the first 12 hex digits; the `digest` field has the whole digest."""
+    return f"pulling {digest.removeprefix('sha256:')[:12]}"
+
+
 def _import_file(store: ModelStore, path: Path, emit: Emit) -> Layer:
     total = path.stat().st_size
     emit({"status": "pulling file", "total": total, "completed": 0})
     digest = store.import_file(path)
-    emit({"status": f"pulling {digest}", "digest": digest, "total": total, "completed": total})
+    emit({"status": _pulling(digest), "digest": digest, "total": total, "completed": total})
     emit({"status": "verifying sha256 digest"})
     return Layer(mt.MODEL, digest, total)
 

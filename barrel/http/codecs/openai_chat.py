@@ -19,10 +19,10 @@ from typing import Any
 
 import msgspec
 
-from barrel import __version__
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import DONE, STAMP, Begin, Data, Frame, Stamp
 from barrel.http.codecs.openai_common import (
+    FINGERPRINT,
     MAX_TOP_LOGPROBS,
     Knobs,
     check_knobs,
@@ -59,7 +59,6 @@ from barrel.pipeline.request import (
 )
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-FINGERPRINT = f"barrel-{__version__}"
 
 
 class ChatBody(Knobs, kw_only=True):
@@ -73,6 +72,9 @@ class ChatBody(Knobs, kw_only=True):
     top_logprobs: int | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's and llama-server's assistant prefill
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None  # default: not continue_final_message
 
 
 # -- request -----------------------------------------------------------------------------
@@ -261,6 +263,11 @@ def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest
         raise InvalidRequest(
             f"reasoning_effort must be one of {', '.join(EFFORTS)}", param="reasoning_effort"
         )
+    if body.continue_final_message and body.add_generation_prompt:
+        raise InvalidRequest(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
     tools = to_tools(body.tools)
     return GenerateRequest(
         model=body.model,
@@ -279,6 +286,8 @@ def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest
         stream=body.stream,
         reasoning_effort=body.reasoning_effort,
         template_kwargs=body.chat_template_kwargs or {},
+        generation_prompt=body.add_generation_prompt is not False,
+        continue_final=body.continue_final_message,
         conversation=conversation or body.prompt_cache_key,
         lora=lora_of(body),
     ), body

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from barrel import __version__
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import Comment, Data
 from barrel.http.errors import error_body
@@ -33,6 +34,9 @@ def lora_of(k: Knobs) -> tuple[tuple[int, float], ...] | None:
     if len(k.lora) > MAX_LORA_ENTRIES:
         raise InvalidRequest(f"lora: at most {MAX_LORA_ENTRIES} entries", param="lora")
     return tuple((e.id, e.scale) for e in k.lora)
+
+
+FINGERPRINT = f"barrel-{__version__}"  # OpenAI's system_fingerprint
 
 
 class Knobs(msgspec.Struct, kw_only=True):
@@ -68,15 +72,21 @@ _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 def decode_json(raw: bytes, kind: type[B]) -> B:
-    """The body as `kind`; a 400 naming the field at fault (OpenAI's `param`)."""
+    """The body as `kind`; a 400 naming the field at fault (OpenAI's `param`). A field
+    sent as JSON null is a field not sent: OpenAI's reference marks the optional ones
+    nullable, and clients that send every field send `"tools": null`, `"n": null`."""
     try:
-        body = msgspec.json.decode(raw or b"{}", type=kind, strict=False)
+        data = msgspec.json.decode(raw or b"{}")
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if v is not None}
+    try:
+        body = msgspec.convert(data, type=kind, strict=False)
     except msgspec.ValidationError as exc:
         text = str(exc)
         m = _AT.search(text)
         raise InvalidRequest(f"invalid request: {text}", param=m.group(1) if m else None) from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
     if not getattr(body, "model", ""):
         raise InvalidRequest("you must provide a model parameter", param="model")
     return body

@@ -17,6 +17,7 @@ from typing import Any
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import DONE, STAMP, Begin, Data, Frame, Stamp
 from barrel.http.codecs.openai_common import (
+    FINGERPRINT,
     Knobs,
     check_knobs,
     decode_json,
@@ -148,6 +149,7 @@ class CompletionEncoder:
             "object": "text_completion",
             "created": int(stamp.now()),
             "model": req.model,
+            "system_fingerprint": FINGERPRINT,
         }
         self.texts = [""] * self.runs
         self.logprobs = [_Logprobs(0) for _ in range(self.runs)]

@@ -1,0 +1,170 @@
+"""Requests real clients send that llama-server and vLLM take: JSON null for optional
+fields, OpenAI's routes without /v1, assistant prefill (`continue_final_message`),
+`system_fingerprint` on completions, and no boolean read as a token id. Real daemon,
+the official SDKs and raw HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.daemon import Daemon, serve_models
+
+
+@pytest.fixture(scope="module")
+def daemon(
+    tmp_path_factory: pytest.TempPathFactory, tiny_path: Path, qwen_path: Path
+) -> Iterator[Daemon]:
+    d = serve_models(tmp_path_factory.mktemp("fidelity"), {"tiny": tiny_path, "qwen": qwen_path})
+    yield d
+    d.kill()
+
+
+def _chat(daemon: Daemon, path: str = "/v1/chat/completions", **body: object) -> httpx.Response:
+    payload = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Say hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        **body,
+    }
+    return httpx.post(daemon.url + path, json=payload, timeout=120)
+
+
+def test_null_optional_fields_are_fields_not_sent(daemon: Daemon) -> None:
+    plain = _chat(daemon)
+    assert plain.status_code == 200, plain.text
+    nulls = {
+        "tools": None,
+        "n": None,
+        "logprobs": None,
+        "parallel_tool_calls": None,
+        "tool_choice": None,
+        "stop": None,
+        "top_logprobs": None,
+        "response_format": None,
+        "stream": None,
+        "user": None,
+    }
+    r = _chat(daemon, **nulls)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1
+    assert body["choices"][0]["logprobs"] is None
+    assert (
+        body["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+    )
+    # a wrong type is still a 400 naming the field
+    bad = _chat(daemon, n="many")
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "n"
+
+
+def test_openai_routes_answer_without_v1(daemon: Daemon) -> None:
+    bare = openai.OpenAI(base_url=daemon.url, api_key="none", max_retries=0, timeout=120)
+    v1 = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi"}]}
+    a = bare.chat.completions.create(**ask, max_tokens=4, temperature=0)  # type: ignore[call-overload]
+    b = v1.chat.completions.create(**ask, max_tokens=4, temperature=0)  # type: ignore[call-overload]
+    assert a.choices[0].message.content == b.choices[0].message.content
+    completion = bare.completions.create(model="tiny", prompt="def f(", max_tokens=4, temperature=0)
+    assert (
+        completion.choices[0].text
+        == v1.completions.create(model="tiny", prompt="def f(", max_tokens=4, temperature=0)
+        .choices[0]
+        .text
+    )
+    vectors = bare.embeddings.create(model="tiny", input=["hello", "world"])
+    assert len(vectors.data) == 2
+    assert {m.id for m in bare.models.list()} == {m.id for m in v1.models.list()}
+    assert bare.models.retrieve("tiny").id == "tiny"
+    response = bare.responses.create(model="tiny", input="Say hi", max_output_tokens=4)
+    assert response.output_text
+    assert bare.responses.retrieve(response.id).id == response.id
+    with pytest.raises(openai.NotFoundError) as missing:  # OpenAI's envelope there too
+        bare.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert missing.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def test_completions_carry_the_system_fingerprint(daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    completion = client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert completion.system_fingerprint == chat.system_fingerprint
+    assert completion.system_fingerprint
+    stream = client.completions.create(model="tiny", prompt="hi", max_tokens=2, stream=True)
+    assert {c.system_fingerprint for c in stream} == {chat.system_fingerprint}
+
+
+def test_booleans_are_never_token_ids(daemon: Daemon) -> None:
+    for value in ([[False]], [True, 1], [[1, False]]):
+        r = httpx.post(
+            daemon.url + "/v1/embeddings", json={"model": "tiny", "input": value}, timeout=60
+        )
+        assert r.status_code == 400, (value, r.text)
+        assert r.json()["error"]["param"].startswith("input")
+    ok = httpx.post(daemon.url + "/v1/embeddings", json={"model": "tiny", "input": [[1, 2]]})
+    assert ok.status_code == 200
+
+
+def test_continue_final_message_continues_the_answer(daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    ask = [{"role": "user", "content": "Count from 1 to 30, separated by spaces."}]
+    whole = (
+        client.chat.completions.create(
+            model="qwen",
+            messages=ask,
+            max_tokens=40,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        .choices[0]
+        .message.content
+    )
+    assert whole is not None
+    cut = whole.index(" 7")  # the answer so far: "1 2 3 4 5 6"
+    started = whole[:cut]
+    go_on = (
+        client.chat.completions.create(
+            model="qwen",
+            messages=[*ask, {"role": "assistant", "content": started}],  # type: ignore[list-item]
+            max_tokens=8,
+            temperature=0,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False},
+        )
+        .choices[0]
+        .message.content
+    )
+    assert go_on
+    assert whole[cut:].startswith(go_on)  # it picks up where the answer stopped
+    # without the flag the assistant message is a finished turn: a new answer begins
+    fresh = (
+        client.chat.completions.create(
+            model="qwen",
+            messages=[*ask, {"role": "assistant", "content": started}],  # type: ignore[list-item]
+            max_tokens=8,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
+    )
+    assert fresh != go_on
+
+    for extra, word in (
+        ({"continue_final_message": True, "add_generation_prompt": True}, "both"),
+        ({"continue_final_message": True}, "final assistant message"),
+    ):
+        messages = [*ask, {"role": "assistant", "content": started}] if word == "both" else ask
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model="qwen",
+                messages=messages,
+                max_tokens=2,
+                extra_body=extra,  # type: ignore[arg-type]
+            )
+        assert word in refused.value.message
