@@ -60,6 +60,9 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.loads = Counter(
+            "barrel_model_loads", "Model loads that succeeded", ["model"], registry=self.registry
+        )
         self.engine = _EngineFamilies(self.registry)
         # What `barrel top` shows (GET /api/status), kept beside the Prometheus families.
         self.live: dict[str, LiveStats] = {}

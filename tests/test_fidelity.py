@@ -5,6 +5,8 @@ the official SDKs and raw HTTP."""
 
 from __future__ import annotations
 
+import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,3 +170,50 @@ def test_continue_final_message_continues_the_answer(daemon: Daemon) -> None:
                 extra_body=extra,  # type: ignore[arg-type]
             )
         assert word in refused.value.message
+
+
+def _loads(url: str, model: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    m = re.search(rf'^barrel_model_loads_total{{model="{model}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_request_is_served_by_the_load_it_waited_for(tmp_path: Path, tiny_path: Path) -> None:
+    """One client loops Ollama's unload (keep_alive 0) while another asks 30 times: every
+    request answers, and none sees more than one load of the model while it waits (an
+    unload asked for meanwhile waits for it, as Ollama's runner expires once its
+    requests are done)."""
+    d = serve_models(tmp_path, {"tiny": tiny_path})
+    stop = threading.Event()
+    unloads = []
+
+    def loop() -> None:
+        with httpx.Client(timeout=300) as c:
+            while not stop.is_set():
+                r = c.post(d.url + "/api/generate", json={"model": "tiny", "keep_alive": 0})
+                unloads.append(r.json().get("done_reason"))
+
+    looper = threading.Thread(target=loop)
+    looper.start()
+    seen = []
+    try:
+        with httpx.Client(timeout=300) as c:
+            for i in range(30):
+                before = _loads(d.url, "tiny")
+                path, body = (
+                    ("/tokenize", {"model": "tiny", "content": "hello"})
+                    if i % 2
+                    else ("/api/generate", {"model": "tiny", "prompt": "hi", "stream": False})
+                )
+                if i % 2 == 0:
+                    body["options"] = {"num_predict": 2}
+                r = c.post(d.url + path, json=body)
+                assert r.status_code == 200, r.text
+                seen.append(_loads(d.url, "tiny") - before)
+    finally:
+        stop.set()
+        looper.join(60)
+        d.kill()
+    assert max(seen) <= 1, seen
+    assert sum(seen) >= 10  # the unloads did run between the requests
+    assert "unload" in unloads

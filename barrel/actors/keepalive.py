@@ -114,9 +114,19 @@ class Keepalive(Child):
             )
 
     def forget(self, model: str) -> None:
-        a = self._models.pop(model, None)
-        if a is not None and a.timer is not None:
+        """The model is no longer loaded: its timer goes. Requests that already count
+        as active wait for the next load and keep their count, or an unload asked for
+        meanwhile (keep_alive 0) would take that load away from them too."""
+        a = self._models.get(model)
+        if a is None:
+            return
+        if a.timer is not None:
             a.timer.cancel()
+            a.timer = None
+        if a.active > 0:
+            a.keep_alive, a.expires_at = self.default, None
+            return
+        del self._models[model]
 
     def snapshot(self) -> dict[str, Activity]:
         return {

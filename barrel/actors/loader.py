@@ -310,6 +310,8 @@ class Loader(Child):
             self._failed[msg.model] = (str(msg.error), time.monotonic())
             return
         loaded.engine = msg.engine
+        if self.metrics is not None:
+            self.metrics.loads.labels(model=msg.model).inc()
         for waiter in waiting:
             waiter.resolve(msg.engine)
 
