@@ -5,11 +5,13 @@ the official SDKs and raw HTTP."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -217,3 +219,78 @@ def test_a_request_is_served_by_the_load_it_waited_for(tmp_path: Path, tiny_path
     assert max(seen) <= 1, seen
     assert sum(seen) >= 10  # the unloads did run between the requests
     assert "unload" in unloads
+
+
+WRITE_FILE = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "description": "Write a text file",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+        },
+    },
+}
+POEM = [
+    {
+        "role": "user",
+        "content": "Write a four-line poem about the sea into the file poem.txt.",
+    }
+]
+
+
+def test_tool_arguments_stream_as_they_are_written_openai(daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    ask = {
+        "model": "qwen",
+        "messages": POEM,
+        "tools": [WRITE_FILE],
+        "tool_choice": {"type": "function", "function": {"name": "write_file"}},
+        "temperature": 0,
+        "max_tokens": 400,
+    }
+    whole = client.chat.completions.create(**ask)  # type: ignore[call-overload]
+    (call,) = whole.choices[0].message.tool_calls
+    pieces, names, ids = [], [], set()
+    for chunk in client.chat.completions.create(**ask, stream=True):  # type: ignore[call-overload]
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            assert delta.index == 0
+            if delta.id:
+                ids.add(delta.id)
+            if delta.function and delta.function.name:
+                names.append(delta.function.name)
+            if delta.function and delta.function.arguments:
+                pieces.append(delta.function.arguments)
+    assert names == ["write_file"]  # the name first, once
+    assert len(ids) == 1
+    assert len(pieces) >= 5
+    # (a call cut short by max_tokens too: its last piece closes it)
+    assert json.loads("".join(pieces)) == json.loads(call.function.arguments), pieces
+
+
+def test_tool_arguments_stream_as_they_are_written_anthropic(daemon: Daemon) -> None:
+    client = anthropic.Anthropic(base_url=daemon.url, api_key="none", max_retries=0, timeout=300)
+    tool = {
+        "name": "write_file",
+        "description": "Write a text file",
+        "input_schema": WRITE_FILE["function"]["parameters"],  # type: ignore[index]
+    }
+    ask = {
+        "model": "qwen",
+        "max_tokens": 400,
+        "messages": POEM,
+        "tools": [tool],
+        "tool_choice": {"type": "tool", "name": "write_file"},
+    }
+    pieces = []
+    with client.messages.stream(**ask) as stream:  # type: ignore[arg-type]
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                pieces.append(event.delta.partial_json)
+        final = stream.get_final_message()
+    (block,) = [b for b in final.content if b.type == "tool_use"]
+    assert block.name == "write_file"
+    assert len(pieces) >= 5
+    assert json.loads("".join(pieces)) == block.input

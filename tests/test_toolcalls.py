@@ -9,6 +9,7 @@ import pytest
 
 from barrel.pipeline.events import ReasoningDelta as Reasoning
 from barrel.pipeline.events import TextDelta as Text
+from barrel.pipeline.events import ToolArgsDelta, ToolCallStart
 from barrel.pipeline.events import ToolCallEvent as ToolCall
 from barrel.pipeline.toolcalls import ToolCallParser, family
 
@@ -285,3 +286,73 @@ def test_a_call_cut_short_is_a_call_with_the_arguments_so_far(output: str, args:
         text, _, calls = run("hermes", chunks)
         assert calls == [("get_weather", args)], output
         assert text == ""
+
+
+STREAMED = [
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"note": "a } and a \\" inside"}}\n</tool_call>',
+    ),
+    ("generic", '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}'),
+    ("generic", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\n'),
+    ("hermes", 'Checking.\n{"name": "get_weather", "arguments": {"city": "Paris"}}'),
+]
+
+
+@pytest.mark.parametrize(("fam", "output"), STREAMED)
+def test_arguments_stream_as_they_are_written(fam: str, output: str) -> None:
+    """Fed a character at a time, a call starts once its name is a declared tool's,
+    its arguments come in pieces as written (never the call's own closing brace), and
+    the whole call ends it, marked streamed, with the same id and the same arguments."""
+    parser = ToolCallParser(family(fam), TOOLS)
+    events = []
+    for ch in output:
+        events += parser.feed(ch)
+    events += parser.finish()
+    kinds = [type(e) for e in events if not isinstance(e, Text)]
+    assert kinds[0] is ToolCallStart
+    assert kinds[-1] is ToolCall
+    assert set(kinds[1:-1]) == {ToolArgsDelta}
+    assert len(kinds) > 5
+    start, end = events[[type(e) for e in events].index(ToolCallStart)], events[-1]
+    assert isinstance(end, ToolCall)
+    assert (start.id, start.name) == (end.id, end.name)
+    assert end.streamed
+    pieces = "".join(e.text for e in events if isinstance(e, ToolArgsDelta))
+    assert json.loads(pieces) == json.loads(end.arguments)
+    text = "".join(e.text for e in events if isinstance(e, Text))
+    assert text.strip() in ("", "Checking.")
+
+
+@pytest.mark.parametrize(
+    ("cut", "args"),
+    [
+        ('{"city": "Par', {"city": "Par"}),
+        ('{"city', {}),
+        ('{"city":', {"city": None}),
+        ('{"city": "Paris", ', {"city": "Paris"}),
+        ('{"city": "Paris", "un', {"city": "Paris"}),
+        ('{"days": [1, 2', {"days": [1, 2]}),
+    ],
+)
+def test_a_streamed_call_cut_short_ends_with_what_was_written(cut: str, args: dict) -> None:
+    parser = ToolCallParser(family("hermes"), TOOLS)
+    events = []
+    for ch in '<tool_call>\n{"name": "get_weather", "arguments": ' + cut:
+        events += parser.feed(ch)
+    events += parser.finish()
+    assert isinstance(events[0], ToolCallStart)
+    assert isinstance(events[-1], ToolCall)
+    assert json.loads(events[-1].arguments) == args
+    pieces = "".join(e.text for e in events if isinstance(e, ToolArgsDelta))
+    assert json.loads(pieces) == args  # completed by the last piece
+
+
+def test_an_undeclared_name_never_starts_a_call() -> None:
+    parser = ToolCallParser(family("generic"), TOOLS)
+    events = []
+    for ch in '{"name": "rm_rf", "arguments": {"path": "/"}}':
+        events += parser.feed(ch)
+    events += parser.finish()
+    assert not any(isinstance(e, ToolCallStart | ToolArgsDelta | ToolCall) for e in events)

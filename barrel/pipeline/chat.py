@@ -47,7 +47,9 @@ from barrel.pipeline.events import (
     ReasoningDelta,
     TextDelta,
     TokenLogprob,
+    ToolArgsDelta,
     ToolCallEvent,
+    ToolCallStart,
     TopLogprob,
     Usage,
 )
@@ -538,6 +540,8 @@ def _events(
     the next text delta (and `pending` empties); with `parallel_tool_calls` off, calls
     after the first are dropped."""
     for out in parsed_events:
+        if isinstance(out, ToolCallStart | ToolArgsDelta) and calls and not req.parallel_tool_calls:
+            continue
         if isinstance(out, ToolCallEvent):
             if calls and not req.parallel_tool_calls:
                 continue  # one call per turn was asked for

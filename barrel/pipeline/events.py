@@ -54,12 +54,31 @@ class ReasoningDelta:
 
 
 @dataclass(frozen=True)
+class ToolCallStart:
+    """A tool call begins (its name is known): its arguments follow as they are written
+    (ToolArgsDelta), then the whole call (ToolCallEvent, `streamed`)."""
+
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolArgsDelta:
+    """The next piece of the arguments of the call that started last, as the model
+    wrote them: the pieces make the call's arguments, as JSON text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class ToolCallEvent:
-    """A whole tool call the model made: `arguments` is its JSON text."""
+    """A whole tool call the model made: `arguments` is its JSON text. `streamed`: its
+    start and arguments went out before (ToolCallStart, ToolArgsDelta), under this id."""
 
     id: str
     name: str
     arguments: str
+    streamed: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,4 +97,4 @@ class Finished:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
-ChatEvent = TextDelta | ReasoningDelta | ToolCallEvent | Finished
+ChatEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolArgsDelta | ToolCallEvent | Finished

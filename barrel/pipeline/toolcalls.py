@@ -21,9 +21,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from barrel.pipeline.events import ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import (
+    ReasoningDelta,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCallEvent,
+    ToolCallStart,
+)
 
-ParseEvent = TextDelta | ReasoningDelta | ToolCallEvent
+ParseEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolArgsDelta | ToolCallEvent
 Call = tuple[str, Any]  # (name, arguments object)
 
 
@@ -336,11 +342,17 @@ class ToolCallParser:
         self._started = False  # any non-space output seen
         self._region = ""
         self._after_reasoning = False
-        self._after_call = False  # a stray closing fence may follow a bare call object
+        # a stray closing fence may follow a bare call object ("fence": it came)
+        self._after_call: bool | str = False
         self._spoke = False  # content other than whitespace went out
         # JSON-call families: a call object may appear anywhere, bare or fenced, with any
         # whitespace; such text is held until it is known to be a call or not.
         self._bare_calls = bool(self.tools) and fam.body == "json"
+        # The JSON call being written, once its name is a declared tool's: (id, name,
+        # where its arguments start in the region), and how much of them went out.
+        self._live: tuple[str, str, int] | None = None
+        self._sent = 0
+        self._scan = _JsonScan()  # of what of its arguments went out
 
     @property
     def _markers(self) -> list[str]:
@@ -402,7 +414,7 @@ class ToolCallParser:
                 call_end = self.family.end
                 at = self._region.find(call_end) if call_end else -1
                 if at < 0 or call_end is None:
-                    return out
+                    return out + self._stream(self._region)
                 region, self._buf = self._region[:at], self._region[at + len(call_end) :]
                 self._region = ""
                 self._state = "text"
@@ -413,7 +425,7 @@ class ToolCallParser:
                 self._buf = ""
                 decided = self._object(final=False)
                 if decided is None:
-                    return out
+                    return out + self._stream(self._region)
                 out += decided
                 continue
             if self._after_call:  # a stray closing fence after a bare call object
@@ -423,8 +435,10 @@ class ToolCallParser:
                     return out
                 if not rest or ("```".startswith(rest[:3]) and len(rest) < 3 and not final):
                     return out
-                if rest.startswith("```"):
+                if rest.startswith("```") and self._after_call != "fence":
                     self._buf = rest[3:]
+                    self._after_call = "fence"  # closed: only whitespace may follow it
+                    continue
                 self._after_call = False
                 continue
             if self._after_reasoning:  # the newlines that follow a reasoning block
@@ -443,7 +457,13 @@ class ToolCallParser:
                 if self.tools and any(
                     stripped.startswith(s) or s.startswith(stripped) for s in shapes
                 ):
-                    return out  # a marker-stripped call? undecided until the output ends
+                    head = _CALL_HEAD.match(stripped, _object_start(stripped))
+                    if not (self._bare_calls and head and head.group(1) in self.tools):
+                        return out  # a marker-stripped call? undecided until the output ends
+                    # a call object with a declared tool's name: read (and streamed) as one
+                    self._started, self._state, self._region = True, "object", ""
+                    self._buf = stripped
+                    continue
                 self._started = True
             soft = list(_SOFT_STARTS) if self._bare_calls else []
             found = _earliest(self._buf, self._markers + list(self.family.noise) + soft)
@@ -483,6 +503,8 @@ class ToolCallParser:
         if calls is None and final:
             partial = self._partial(region)
             calls = [partial] if partial is not None else None
+        if self._live is not None:
+            return self._end_live(region, calls)
         if calls is None:
             marker = (
                 "" if self.family.keep_start or not self.family.starts else self.family.starts[0]
@@ -511,17 +533,79 @@ class ToolCallParser:
             partial = self._partial(region[start:]) if final else None
             self._region = ""
             self._state = "text"
+            if self._live is not None:
+                return self._end_live(region, [partial] if partial is not None else None)
             if partial is not None:
                 return [_event(partial)]
             return [TextDelta(region)]
         calls = self._parse_with("json", region[start:end])
-        if calls is None:
+        if calls is None and self._live is None:
             return self._as_text(region[:1], region[1:])
         self._region = ""
         self._state = "text"
         self._buf = region[end:] + self._buf
         self._after_call = True
-        return [_event(c) for c in calls]
+        if self._live is not None:
+            return self._end_live(region[:end], calls)
+        return [_event(c) for c in calls or []]
+
+    def _stream(self, region: str) -> list[ParseEvent]:
+        """While a JSON call is being written: once its name is a declared tool's, the
+        call starts, and its arguments go out as they come, all but what may still turn
+        out to close the call (trailing whitespace, one "}", the start of an end
+        marker). The call is never taken back: it has a declared tool's name."""
+        out: list[ParseEvent] = []
+        if self._live is None:
+            m = _CALL_HEAD.match(region, _object_start(region))
+            if m is None or m.group(1) not in self.tools:
+                return out
+            self._live, self._sent, self._scan = (
+                (new_call_id(), m.group(1), m.end()),
+                0,
+                _JsonScan(),
+            )
+            out.append(ToolCallStart(self._live[0], self._live[1]))
+        text = region[self._live[2] :]
+        ends = [e for e in (self.family.end, "```") if e]
+        safe = text[: len(text) - _partial_suffix(text, ends)].rstrip()
+        safe = safe[:-1] if safe.endswith("}") else safe
+        # what went out was scanned once: only the new part is read each time
+        held = self._scan.copy().scan(safe).member if len(safe) > self._sent else None
+        safe = safe[:held] if held is not None else safe
+        if len(safe) > self._sent:
+            out.append(ToolArgsDelta(safe[self._sent :]))
+            self._sent = len(safe)
+            self._scan.scan(safe)
+        return out
+
+    def _end_live(self, region: str, calls: list[Call] | None) -> list[ParseEvent]:
+        """The call being streamed is complete (or cut short): the rest of its arguments,
+        then the call whole; calls after it in the same region go whole."""
+        assert self._live is not None
+        cid, name, at = self._live
+        self._live = None
+        end = _object_end(region, _object_start(region))
+        raw = region[at : end - 1] if end is not None else region[at:]
+        if end is None:  # cut short: completed, so that the pieces still make JSON
+            held = _unfinished_key(raw)  # a key not yet followed by its value goes
+            base = raw[:held] if held is not None and held >= self._sent else raw
+            done = _completed(base.rstrip(" \t\r\n"))
+            raw = done if done is not None and done.startswith(raw[: self._sent]) else raw
+        out: list[ParseEvent] = []
+        if len(raw) > self._sent:
+            out.append(ToolArgsDelta(raw[self._sent :]))
+        if calls and calls[0][0] == name and end is not None:
+            args = json.dumps(calls[0][1], ensure_ascii=False)
+            rest = calls[1:]
+        else:  # it did not parse as the call it began as: what was written, completed
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = {}
+            args = json.dumps(value if isinstance(value, dict) else {}, ensure_ascii=False)
+            rest = []
+        out.append(ToolCallEvent(cid, name, args, streamed=True))
+        return out + [_event(c) for c in rest]
 
     def _as_text(self, text: str, rest: str) -> list[ParseEvent]:
         """Not a call: `text` goes out, `rest` is read again as text."""
@@ -556,6 +640,18 @@ class ToolCallParser:
         if self.tools and any(name not in self.tools for name, _ in calls):
             return None
         return calls
+
+
+# The head of a JSON call whose arguments can stream: its name, then its arguments.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _object_start(region: str) -> int:
+    """Where a call object starts in a region: after a ``` fence opener, if any."""
+    if region.startswith("```"):
+        m = _FENCE_OPEN.match(region)
+        return m.end() if m is not None else 0
+    return 0
 
 
 # What may open a bare call object in the text of a JSON-call family.
@@ -610,6 +706,80 @@ def _close_json(text: str) -> str:
     if out.rstrip().endswith(":"):
         out = out.rstrip()[:-1]
     return out + "".join(reversed(stack))
+
+
+class _JsonScan:
+    """How far a JSON text has got, scanned once from its start and then onwards: open
+    containers, strings, and where an object member whose key has no ":" yet begins
+    (its comma, or just after its object's "{")."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.containers: list[str] = []
+        self.in_string = self.escaped = False
+        self.member: int | None = None
+
+    def copy(self) -> _JsonScan:
+        other = _JsonScan()
+        other.pos, other.containers = self.pos, list(self.containers)
+        other.in_string, other.escaped, other.member = self.in_string, self.escaped, self.member
+        return other
+
+    def scan(self, text: str) -> _JsonScan:
+        for i in range(self.pos, len(text)):
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.containers.append(ch)
+                self.member = i + 1 if ch == "{" else None
+            elif ch in "}]":
+                if self.containers:
+                    self.containers.pop()
+                self.member = None
+            elif ch == ",":
+                in_object = bool(self.containers) and self.containers[-1] == "{"
+                self.member = i if in_object else None
+            elif ch == ":":
+                self.member = None
+        self.pos = max(self.pos, len(text))
+        return self
+
+
+def _unfinished_key(text: str) -> int | None:
+    """Where `text` (JSON cut short) ends in an object member whose key has no ":" yet,
+    None if it does not (see _JsonScan)."""
+    return _JsonScan().scan(text).member
+
+
+def _completed(text: str) -> str | None:
+    """JSON cut short, with the least appended that makes it parse (a string closed, a
+    dangling key given null, the open brackets closed); None if nothing will do."""
+    for extra in ("", '"', " null", '": null'):
+        t = text + extra
+        brackets, in_string = _brackets(t)
+        if in_string:
+            continue
+        stack: list[str] = []
+        for _, ch in brackets:
+            if ch in "{[":
+                stack.append("}" if ch == "{" else "]")
+            elif stack:
+                stack.pop()
+        candidate = t + "".join(reversed(stack))
+        try:
+            json.loads(candidate)
+        except ValueError:
+            continue
+        return candidate
+    return None
 
 
 def _event(call: Call) -> ToolCallEvent:

@@ -56,3 +56,19 @@ def test_a_partial_stream_ends_in_the_whole_object(daemon: Daemon) -> None:
     )
     assert len(partials) > 1  # built up as the JSON streams in
     paris(City.model_validate(partials[-1].model_dump()))
+
+
+def test_a_partial_stream_in_tools_mode_builds_the_object_up(daemon: Daemon) -> None:
+    """TOOLS mode reads the forced call's arguments as they stream: several partial
+    objects, the last the whole one."""
+    partials = list(
+        client(daemon, instructor.Mode.TOOLS).chat.completions.create_partial(
+            model="qwen",
+            response_model=City,
+            messages=ASK,
+            temperature=0,
+            max_tokens=80,
+        )
+    )
+    assert len(partials) > 2
+    paris(City.model_validate(partials[-1].model_dump()))

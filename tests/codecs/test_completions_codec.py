@@ -11,7 +11,13 @@ from barrel.pipeline.events import Finished, TextDelta, TokenLogprob, TopLogprob
 from barrel.pipeline.request import Completion, Dialect, Options
 from tests.codecs.golden import body, lp, stamp, wire
 
-HEAD = {"id": "cmpl-X", "object": "text_completion", "created": 1_700_000_000, "model": "qwen"}
+HEAD = {
+    "id": "cmpl-X",
+    "object": "text_completion",
+    "created": 1_700_000_000,
+    "model": "qwen",
+    "system_fingerprint": codec.FINGERPRINT,
+}
 
 
 def done(reason: str, prompt: int, completion: int, reused: int = 0, **kw: object) -> Finished:

@@ -28,7 +28,9 @@ from barrel.pipeline.events import (
     Finished,
     ReasoningDelta,
     TextDelta,
+    ToolArgsDelta,
     ToolCallEvent,
+    ToolCallStart,
     Usage,
 )
 from barrel.pipeline.request import (
@@ -398,11 +400,19 @@ class MessagesEncoder:
                 out += self._open({"type": "text", "text": ""})
             self.content[-1]["text"] += event.text
             out.append(self._delta({"type": "text_delta", "text": event.text}))
+        elif isinstance(event, ToolCallStart):  # then input_json_delta pieces as written
+            call = ToolCallEvent(event.id, event.name, "")
+            out += self._open({"type": "tool_use", "id": _tool_id(call), "name": event.name})
+            self.content[-1]["input"] = {}
+        elif isinstance(event, ToolArgsDelta) and event.text and self.kind == "tool_use":
+            out.append(self._delta({"type": "input_json_delta", "partial_json": event.text}))
         elif isinstance(event, ToolCallEvent):
-            block = {"type": "tool_use", "id": _tool_id(event), "name": event.name, "input": {}}
-            out += self._open(block)
-            block["input"] = json.loads(event.arguments)
-            out.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
+            if not event.streamed or self.kind != "tool_use":
+                block = {"type": "tool_use", "id": _tool_id(event), "name": event.name}
+                out += self._open({**block, "input": {}})
+                piece = {"type": "input_json_delta", "partial_json": event.arguments}
+                out.append(self._delta(piece))
+            self.content[-1]["input"] = json.loads(event.arguments)
             out += self._close()
         elif isinstance(event, Finished):
             out += self._close()

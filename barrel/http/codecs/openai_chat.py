@@ -42,7 +42,9 @@ from barrel.pipeline.events import (
     ReasoningDelta,
     TextDelta,
     TokenLogprob,
+    ToolArgsDelta,
     ToolCallEvent,
+    ToolCallStart,
     Usage,
 )
 from barrel.pipeline.request import (
@@ -367,8 +369,15 @@ class ChatEncoder:
             c.reasoning.append(event.text)
             if event.text:
                 out.append(self._chunk(index, {"reasoning_content": event.text}))
+        elif isinstance(event, ToolCallStart):  # then its arguments, as they are written
+            call = tool_call(ToolCallEvent(event.id, event.name, ""), len(c.calls))
+            out.append(self._chunk(index, {"tool_calls": [call]}))
+        elif isinstance(event, ToolArgsDelta):
+            piece = {"index": len(c.calls), "function": {"arguments": event.text}}
+            out.append(self._chunk(index, {"tool_calls": [piece]}))
         elif isinstance(event, ToolCallEvent):
-            out.append(self._chunk(index, {"tool_calls": [tool_call(event, len(c.calls))]}))
+            if not event.streamed:
+                out.append(self._chunk(index, {"tool_calls": [tool_call(event, len(c.calls))]}))
             c.calls.append(tool_call(event))
         elif isinstance(event, Finished):
             c.finished = event
