@@ -294,3 +294,27 @@ def test_tool_arguments_stream_as_they_are_written_anthropic(daemon: Daemon) -> 
     assert block.name == "write_file"
     assert len(pieces) >= 5
     assert json.loads("".join(pieces)) == block.input
+
+
+def test_tool_arguments_stream_as_they_are_written_responses(daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    fn = WRITE_FILE["function"]
+    tool = {"type": "function", "name": fn["name"], "parameters": fn["parameters"]}  # type: ignore[index]
+    pieces, done = [], []
+    stream = client.responses.create(
+        model="qwen",
+        input=POEM[0]["content"],
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "write_file"},
+        max_output_tokens=400,
+        temperature=0,
+        stream=True,
+    )
+    for event in stream:
+        if event.type == "response.function_call_arguments.delta":
+            pieces.append(event.delta)
+        elif event.type == "response.function_call_arguments.done":
+            done.append(event.arguments)
+    assert len(pieces) >= 5
+    assert done == ["".join(pieces)]
+    assert isinstance(json.loads(done[0]), dict)

@@ -32,7 +32,15 @@ from barrel.http.codecs.openai_common import (
     options_of,
     progress,
 )
-from barrel.pipeline.events import ChatEvent, Finished, ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import (
+    ChatEvent,
+    Finished,
+    ReasoningDelta,
+    TextDelta,
+    ToolArgsDelta,
+    ToolCallEvent,
+    ToolCallStart,
+)
 from barrel.pipeline.request import (
     Dialect,
     Format,
@@ -362,33 +370,53 @@ class ResponsesEncoder:
                     logprobs=[],
                 )
             )
+        elif isinstance(event, ToolCallStart):  # its arguments follow as written
+            out += self._open(self._call_item(event.id, event.name), None)
+        elif isinstance(event, ToolArgsDelta) and event.text and self._calling():
+            assert self.open is not None
+            self.open["arguments"] += event.text
+            where = self._where(self.open)
+            out.append(
+                self._event("response.function_call_arguments.delta", **where, delta=event.text)
+            )
         elif isinstance(event, ToolCallEvent):
-            call_id = event.id if event.id.startswith("call_") else f"call_{event.id}"
-            item = {
-                "type": "function_call",
-                "id": self.stamp.ids("fc_"),
-                "call_id": call_id,
-                "name": event.name,
-                "arguments": "",
-                "status": "completed",
-            }
-            out += self._open(item, None)
-            item["arguments"] = event.arguments
-            where = self._where(item)
-            delta = event.arguments
-            out.append(self._event("response.function_call_arguments.delta", **where, delta=delta))
+            if not (event.streamed and self._calling()):
+                out += self._open(self._call_item(event.id, event.name), None)
+                assert self.open is not None
+                self.open["arguments"] = event.arguments
+                where = self._where(self.open)
+                delta = event.arguments
+                out.append(
+                    self._event("response.function_call_arguments.delta", **where, delta=delta)
+                )
+            call = self.open
+            assert call is not None
             out.append(
                 self._event(
                     "response.function_call_arguments.done",
-                    **where,
+                    **self._where(call),
                     name=event.name,
-                    arguments=event.arguments,
+                    arguments=call["arguments"],
                 )
             )
             out += self._close()
         elif isinstance(event, Finished):
             out += self._finish(event)
         return out
+
+    def _call_item(self, cid: str, name: str) -> dict[str, Any]:
+        return {
+            "type": "function_call",
+            "id": self.stamp.ids("fc_"),
+            "call_id": cid if cid.startswith("call_") else f"call_{cid}",
+            "name": name,
+            "arguments": "",
+            "status": "completed",
+        }
+
+    def _calling(self) -> bool:
+        """A function call's item is open: its arguments are streaming."""
+        return self.open is not None and self.open["type"] == "function_call"
 
     def _finish(self, fin: Finished) -> list[Frame]:
         out = self._close()
