@@ -318,3 +318,33 @@ def test_tool_arguments_stream_as_they_are_written_responses(daemon: Daemon) -> 
     assert len(pieces) >= 5
     assert done == ["".join(pieces)]
     assert isinstance(json.loads(done[0]), dict)
+
+
+def test_an_anthropic_prefill_is_continued(daemon: Daemon) -> None:
+    """Anthropic's prefill: a final assistant message is where the answer goes on from,
+    as OpenAI's continue_final_message does."""
+    ask = [{"role": "user", "content": "Count from 1 to 30, separated by spaces."}]
+    started = [*ask, {"role": "assistant", "content": "1 2 3 4 5 6"}]
+    sdk = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    expected = (
+        sdk.chat.completions.create(
+            model="qwen",
+            messages=started,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+            extra_body={"continue_final_message": True},
+        )
+        .choices[0]
+        .message.content
+    )
+    client = anthropic.Anthropic(base_url=daemon.url, api_key="none", max_retries=0, timeout=120)
+    message = client.messages.create(
+        model="qwen",
+        max_tokens=8,
+        messages=started,  # type: ignore[arg-type]
+        extra_body={"temperature": 0},
+    )
+    (block,) = message.content
+    assert block.type == "text"
+    assert block.text == expected
+    assert block.text.lstrip().startswith("7")

@@ -261,6 +261,11 @@ def decode(
     choice, parallel = _tool_choice(body.tool_choice)
     thinking, budget = _thinking(body.thinking, body.max_tokens)
     user_id = (body.metadata or {}).get("user_id")
+    # Anthropic's prefill: a final assistant message with text is continued, not closed
+    last = messages[-1] if messages else None
+    prefill = (
+        last is not None and last.role == "assistant" and bool(last.text) and not last.tool_calls
+    )
     options = Options(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -286,6 +291,7 @@ def decode(
         conversation=conversation,
         user=user_id if isinstance(user_id, str) else None,
         pin_messages=pin,
+        continue_final=prefill and not thinking,
     ), body
 
 
