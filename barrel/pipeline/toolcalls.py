@@ -694,18 +694,12 @@ def _object_end(text: str, start: int) -> int | None:
 def _close_json(text: str) -> str:
     """Cut-off JSON completed so that it parses: an open string and the open objects and
     arrays are closed; a dangling key or comma is dropped."""
-    brackets, in_string = _brackets(text)
-    stack: list[str] = []
-    for _, ch in brackets:
-        if ch in "{[":
-            stack.append("}" if ch == "{" else "]")
-        elif stack:
-            stack.pop()
-    out = text + ('"' if in_string else "")
+    scan = _JsonScan().scan(text)
+    out = text + ('"' if scan.in_string else "")
     out = re.sub(r'(,\s*"[^"]*"\s*:?\s*|,\s*|:\s*)$', "", out.rstrip())
     if out.rstrip().endswith(":"):
         out = out.rstrip()[:-1]
-    return out + "".join(reversed(stack))
+    return out + scan.closers()
 
 
 class _JsonScan:
@@ -724,6 +718,10 @@ class _JsonScan:
         other.pos, other.containers = self.pos, list(self.containers)
         other.in_string, other.escaped, other.member = self.in_string, self.escaped, self.member
         return other
+
+    def closers(self) -> str:
+        """What closes the containers still open, innermost first."""
+        return "".join("}" if c == "{" else "]" for c in reversed(self.containers))
 
     def scan(self, text: str) -> _JsonScan:
         for i in range(self.pos, len(text)):
@@ -764,16 +762,10 @@ def _completed(text: str) -> str | None:
     dangling key given null, the open brackets closed); None if nothing will do."""
     for extra in ("", '"', " null", '": null'):
         t = text + extra
-        brackets, in_string = _brackets(t)
-        if in_string:
+        scan = _JsonScan().scan(t)
+        if scan.in_string:
             continue
-        stack: list[str] = []
-        for _, ch in brackets:
-            if ch in "{[":
-                stack.append("}" if ch == "{" else "]")
-            elif stack:
-                stack.pop()
-        candidate = t + "".join(reversed(stack))
+        candidate = t + scan.closers()
         try:
             json.loads(candidate)
         except ValueError:
