@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -221,34 +220,6 @@ async def test_grammar_output_validates_against_the_schema_for_20_seeds(
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len(set(texts)) > 1, "different seeds sample different documents"
-
-
-async def test_lazy_grammar_applies_only_after_its_trigger(
-    engine: Engine, model: LlamaModel
-) -> None:
-    _, free_run, _ = await generate(engine, req(model, "Hello world", max_tokens=30))
-    pieces = [model.detokenize([t]) for t in free_run.tokens]
-    i = next(i for i in range(2, 30) if pieces[i].isascii() and pieces[i].strip())
-    word = pieces[i]  # free-running output reaches this token
-    # The pattern must match the whole output so far; the grammar is fed the output from
-    # the first capture group on, so it starts with the trigger word.
-    grammar = f'root ::= {json.dumps(word)} "<call>" [0-9]{{3}} "</call>"'
-    by_pattern = SamplingParams(
-        temperature=0.0,
-        grammar=grammar,
-        grammar_trigger_patterns=[rf"[\s\S]*?({re.escape(word)})[\s\S]*"],
-    )
-    by_token = SamplingParams(
-        temperature=0.0, grammar=grammar, grammar_trigger_tokens=[free_run.tokens[i]]
-    )
-    prefix = model.detokenize(list(free_run.tokens[:i]))
-    for sampling in (by_pattern, by_token):
-        text, done, _ = await generate(
-            engine, req(model, "Hello world", sampling=sampling, max_tokens=60)
-        )
-        assert text.startswith(prefix), "free sampling until the trigger"
-        assert re.fullmatch(r"<call>[0-9]{3}</call>", text[len(prefix) + len(word) :]), text
-        assert done.finish_reason is FinishReason.STOP
 
 
 async def test_seed_makes_sampling_reproducible(engine: Engine, model: LlamaModel) -> None:

@@ -55,10 +55,14 @@ class Delivery:
     def sample(self, run: Run, index: int, logits: np.ndarray | None = None) -> None:
         """Sample `run`'s next token from batch row `index`, or from kept `logits`."""
         started = time.monotonic()
-        if logits is None:
-            token = run.sampler.sample(self.ctx, index)
-        else:
-            token = run.sampler.sample_from(logits)
+        try:
+            if logits is None:
+                token = run.sampler.sample(self.ctx, index)
+            else:
+                token = run.sampler.sample_from(logits)
+        except InvalidGrammar as exc:  # llguidance's limits, or no token allowed
+            self.fail(run, exc)
+            return
         now = time.monotonic()
         budget = self.options.grammar_sample_s
         if run.req.sampling.grammar and budget and now - started > budget:
@@ -83,7 +87,8 @@ class Delivery:
             logprob = run.sampler.logprobs(self.ctx, index, token)
         end, stop = run.add_token(self.model, token, logprob)
         self._dirty[run.id] = run
-        if end or stop is not None:
+        constraint = run.sampler.constraint
+        if end or stop is not None or (constraint is not None and constraint.stopped):
             self.finish(run, FinishReason.STOP, stop)
         elif (
             run.req.max_tokens is not None and len(run.generated) >= run.req.max_tokens

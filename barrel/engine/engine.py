@@ -51,6 +51,7 @@ from barrel.engine.errors import (
     KVCacheFull,
     PromptTooLong,
 )
+from barrel.engine.grammar import Constraint, Grammars
 from barrel.engine.inbox import Cancel, Embed, Fault, Pin, PinJob, Stop, Submit, Wake
 from barrel.engine.kvcache import StateCache
 from barrel.engine.kvdisk import WRITE_WAIT_S, SaveTo, model_states
@@ -116,6 +117,7 @@ class Engine:
         self._saving: threading.Event | None = None  # the states being written
         self._batch = Batch(max(opts.n_batch, 1))
         self._rows = LogitRows(model.n_vocab)  # views of the logits rows, shared by samplers
+        self.grammars = Grammars(model)  # llguidance over this vocabulary (any thread)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -203,8 +205,13 @@ class Engine:
         req = self.loras.check(req)
         check_media(req, self.projector)
         # Built in the caller's thread (it needs the vocabulary only): a bad grammar fails
-        # the request before it is queued.
-        sampler = Sampler(self.model, req.sampling, self.n_ctx, self._rows)
+        # the request before it is queued. The pipeline compiled the grammar already (in a
+        # worker thread); this takes a copy of the compiled matcher.
+        grammar = req.sampling.grammar
+        constraint = (
+            Constraint(self.grammars.matcher(grammar), self.model.n_vocab) if grammar else None
+        )
+        sampler = Sampler(self.model, req.sampling, self.n_ctx, self._rows, constraint)
         rid = RequestId(next(self._ids))
         s = Stream(rid, to_loop, self.cancel, self._resume)
         self._queue_work(Submit(Run(rid, req, s, sampler)), refused=sampler.free)

@@ -2,8 +2,10 @@
 
 Order follows llama.cpp's common sampler: logit bias, penalties, DRY, then either greedy,
 mirostat (v1/v2 after temperature), or top-k → typical → top-p → min-p → temperature →
-seeded distribution. A grammar (or lazy grammar) goes first, so every later stage only
-sees tokens the grammar allows. Runs in the engine thread only.
+seeded distribution. A grammar is not in the chain: its `Constraint` (llguidance,
+barrel.engine.grammar) masks the logits row first, so every stage only sees tokens the
+grammar allows; a greedy sequence tries the row's best token first and masks only when
+the grammar refuses it. Runs in the engine thread only.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import llama_cpp as ll
 import numpy as np
 
 from barrel.engine.errors import InvalidGrammar
+from barrel.engine.grammar import Constraint
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import SamplingParams, TokenLogprob, TopLogprob
 
@@ -69,8 +72,10 @@ class Sampler:
         params: SamplingParams,
         n_ctx: int,
         rows: LogitRows | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.params = params
+        self.constraint = constraint
         self._n_ctx = n_ctx
         self._model = model
         self._rows = rows if rows is not None else LogitRows(model.n_vocab)
@@ -81,7 +86,7 @@ class Sampler:
         except BaseException:
             self.free()
             raise
-        # Greedy with nothing before it (no grammar, bias, penalties or DRY): the token is
+        # Greedy with nothing before it (no bias, penalties or DRY): the token is
         # the first largest logit, which numpy finds in a tenth of the time the chain
         # takes to copy the vocabulary into its candidate array (25 against 250 us on
         # Qwen's 151,936 tokens), for every sampled token, each draft position included.
@@ -94,25 +99,6 @@ class Sampler:
 
     def _build(self, model: LlamaModel, p: SamplingParams) -> None:
         vocab = model.vocab
-        if p.grammar:
-            if p.lazy_grammar:
-                patterns = (ctypes.c_char_p * len(p.grammar_trigger_patterns))(
-                    *[s.encode() for s in p.grammar_trigger_patterns]
-                )
-                tokens = (ll.llama_token * len(p.grammar_trigger_tokens))(*p.grammar_trigger_tokens)
-                self._keep += [patterns, tokens]
-                smpl = ll.llama_sampler_init_grammar_lazy_patterns(
-                    vocab,
-                    p.grammar.encode(),
-                    b"root",
-                    patterns,
-                    len(p.grammar_trigger_patterns),
-                    tokens,
-                    len(p.grammar_trigger_tokens),
-                )
-            else:
-                smpl = ll.llama_sampler_init_grammar(vocab, p.grammar.encode(), b"root")
-            self._add(smpl, "grammar")
         if p.logit_bias:
             arr = (ll.llama_logit_bias * len(p.logit_bias))()
             for i, (tok, bias) in enumerate(p.logit_bias.items()):
@@ -183,6 +169,8 @@ class Sampler:
 
     def sample(self, ctx: ll.llama_context_p, index: int) -> int:
         """Sample from the logits of batch position `index` and accept the token."""
+        if self.constraint is not None:
+            return self._constrained(self._rows(ctx, index), self.constraint)
         if self._argmax:
             return int(self._rows(ctx, index).argmax())
         return int(ll.llama_sampler_sample(self._chain, ctx, index))
@@ -190,8 +178,24 @@ class Sampler:
     def sample_from(self, logits: np.ndarray) -> int:
         """Sample from a row of logits kept from an earlier step and accept the token,
         as `llama_sampler_sample` does with the context's own row."""
+        if self.constraint is not None:
+            return self._constrained(logits, self.constraint)
         if self._argmax:
             return int(np.argmax(logits))
+        return self._chain_sample(logits)
+
+    def _constrained(self, logits: np.ndarray, constraint: Constraint) -> int:
+        """Sample among the tokens the grammar allows (the row itself is left as it is:
+        logprobs are reported from the raw logits). Greedy: the best token, when the
+        grammar allows it, needs no mask."""
+        token = int(np.argmax(logits)) if self._argmax else -1
+        if token < 0 or not constraint.allows(token):
+            masked = constraint.masked(logits)
+            token = int(np.argmax(masked)) if self._argmax else self._chain_sample(masked)
+        constraint.take(token)
+        return token
+
+    def _chain_sample(self, logits: np.ndarray) -> int:
         cur = np.empty(len(logits), dtype=TOKEN_DATA)
         cur["id"] = _token_ids(len(logits))
         cur["logit"] = logits

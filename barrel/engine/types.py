@@ -37,20 +37,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: list[str] = msgspec.field(default_factory=lambda: ["\n", ":", '"', "*"])
-    grammar: str | None = None  # GBNF, root rule "root"
-    # Lazy grammar: free sampling until one of these regex patterns matches the output
-    # (or one of the tokens is sampled), then the grammar applies from the match on.
-    grammar_trigger_patterns: list[str] = msgspec.field(default_factory=list)
-    grammar_trigger_tokens: list[int] = msgspec.field(default_factory=list)
+    # An llguidance grammar (its JSON form, or Lark text; barrel.engine.grammar) the
+    # output must match: the sequence ends where the grammar does.
+    grammar: str | None = None
     logprobs: int | None = None  # None: off; N: the chosen token plus the top N
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 and self.mirostat == 0
-
-    @property
-    def lazy_grammar(self) -> bool:
-        return bool(self.grammar and (self.grammar_trigger_patterns or self.grammar_trigger_tokens))
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -13,14 +13,14 @@ once (`generate.check`).
 
 tool_choice: "auto" prompts the model with the tools and parses what it writes (the
 family's own syntax); "none" renders no tools; "required" and a named function force a
-schema-valid call with a GBNF grammar, written as a bare JSON call object. With
+schema-valid call with a grammar (llguidance), written as a bare JSON call object. With
 `parallel_tool_calls = false` at most one call is kept.
 
-Thinking with a schema: the reasoning is generated first, free, up to "</think>" (or
+Thinking with a grammar: the reasoning is generated first, free, up to "</think>" (or
 `reasoning_budget` tokens, after which the block is closed for the model); then the answer
 is generated under the grammar, continuing the same sequence (its KV is reused). Two
-steps instead of llama.cpp's lazy grammar: a lazy grammar whose trigger text the grammar
-cannot accept aborts the process, and a model can write anything after "</think>".
+steps instead of a lazy grammar: a model can write anything after "</think>", and the
+grammar applies to the answer only.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from barrel.pipeline.events import (
     Usage,
 )
 from barrel.pipeline.gotemplate import go_to_jinja, is_go_template
-from barrel.pipeline.grammar import json_schema_grammar
+from barrel.pipeline.grammar import format_grammar, json_schema_grammar
 from barrel.pipeline.images import REFUSAL, image_marker, markers_of
 from barrel.pipeline.request import Format, Tool, ToolChoice
 from barrel.pipeline.templates import ChatTemplate
@@ -95,8 +95,9 @@ class Prepared:
     sampling: SamplingParams
     family: Family
     forced_call: bool  # the grammar writes one bare JSON call object
-    schema: dict[str, Any] | None  # the answer's JSON schema (response_format)
-    grammar: str | None  # the schema's grammar (applied after thinking, when there is any)
+    # what the answer must match (a forced call, the response format), as an llguidance
+    # grammar; applied after thinking, when there is any
+    grammar: str | None
     tool_names: tuple[str, ...]
     render_s: float
     # leading prompt tokens shared by every request with these tools
@@ -145,12 +146,6 @@ def _forced_schema(req: ChatRequest) -> dict[str, Any] | None:
     return _call_schema(next(t for t in req.tools if t.name == req.tool_choice.name))
 
 
-def _answer_schema(fmt: Format) -> dict[str, Any] | None:
-    if fmt.kind == "json_object":
-        return {"type": "object"}
-    return fmt.schema if fmt.kind == "json_schema" else None
-
-
 def _open_final(prompt_text: str, messages: list[dict[str, Any]]) -> str:
     """The rendered prompt cut right after the final assistant message's text, so the
     model continues it (vLLM's `continue_final_message`): the template's end of turn
@@ -189,7 +184,6 @@ def prepare(
     projector (None: it reads no images)."""
     _refuse_images(req.messages)
     forced = _forced_schema(req)
-    schema = _answer_schema(req.format)
     tools = template_tools(req.tools) if req.tool_choice.mode != "none" else []
     kwargs = dict(req.template_kwargs)
     if req.thinking is not None:
@@ -206,18 +200,10 @@ def prepare(
         prompt_text = _open_final(prompt_text, messages)
     render_s = time.perf_counter() - start
     sampling = req.sampling
-    grammar_schema = forced if forced is not None else schema
-    grammar: str | None = None
-    if grammar_schema is not None:
-        # Built now even when thinking comes first: a bad schema is a 400 before any work.
-        try:
-            grammar = json_schema_grammar(grammar_schema)
-        except Exception as exc:  # noqa: BLE001 - the converter raises many kinds on bad schemas
-            raise InvalidRequest(
-                f"the JSON schema cannot be turned into a grammar: {exc}"
-            ) from None
-        if not req.thinking:
-            sampling = msgspec.structs.replace(sampling, grammar=grammar)
+    # Built now even when thinking comes first: a bad schema is a 400 before any work.
+    grammar = json_schema_grammar(forced) if forced is not None else format_grammar(req.format)
+    if grammar is not None and not req.thinking:
+        sampling = msgspec.structs.replace(sampling, grammar=grammar)
     pieces: dict[str, Piece] = {}
     if req.images:
         if read_images is None or tokenize_as is None:
@@ -246,7 +232,6 @@ def prepare(
         sampling=sampling,
         family=fam,
         forced_call=forced is not None,
-        schema=grammar_schema,
         grammar=grammar,
         tool_names=tuple(t.name for t in req.tools) if tools else (),
         render_s=render_s,
@@ -424,7 +409,7 @@ async def run(
     prompt = list(prep.prompt)
     reused = computed = completion = 0
     reasoning_done = False
-    if req.thinking and (prep.schema is not None or prep.thinking_template):
+    if req.thinking and (prep.grammar is not None or prep.thinking_template):
         # Step 1: free reasoning, streamed as it comes, up to "</think>" or the budget;
         # the block is then closed for the model and the answer continues the sequence.
         opened = engine.tokenize("<think>\n", add_special=False)

@@ -35,7 +35,7 @@ from barrel.pipeline import chat as chat_turn
 from barrel.pipeline import complete, images
 from barrel.pipeline.chat import ChatRequest, Prepared
 from barrel.pipeline.events import ChatEvent
-from barrel.pipeline.grammar import check_schema
+from barrel.pipeline.grammar import check_size, format_grammar
 from barrel.pipeline.request import Dialect, GenerateRequest, Message, TextPart
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.templates import ChatTemplate
@@ -125,11 +125,14 @@ def check(req: GenerateRequest, limits: LimitsConfig) -> None:
             else f"n may be at most {limits.max_sequences}",
             param="prompt" if prompts > 1 else "n",
         )
-    schema_limits = {"max_bytes": limits.max_schema_bytes, "max_repeat": limits.max_schema_repeat}
-    if req.format.schema is not None:
-        check_schema(req.format.schema, where="the response format", **schema_limits)
+    fmt = req.format
+    if fmt.kind != "text":
+        spec: Any = fmt.schema if fmt.kind == "json_schema" else [fmt.text, fmt.choices]
+        check_size(spec, where="the response format", max_bytes=limits.max_schema_bytes)
     for tool in req.tools:
-        check_schema(tool.parameters, where=f"the tool {tool.name!r}", **schema_limits)
+        check_size(
+            tool.parameters, where=f"the tool {tool.name!r}", max_bytes=limits.max_schema_bytes
+        )
     choice = req.tool_choice
     if choice.mode == "function" and choice.name not in {t.name for t in req.tools}:
         raise InvalidRequest(
@@ -240,7 +243,7 @@ async def start(
 ) -> Generation:
     """Everything between the lease and the first token (see the module's docstring)."""
     if req.completion is not None:
-        return await _completion(session, req)
+        return await _completion(session, req, limits)
     chat, prep = await _prepared(session, req, limits)
     engine, timings = session.engine, session.timings
     runs = [chat_turn.run(engine, chat, prep, timings)]
@@ -256,12 +259,17 @@ async def prepare(
     return (await _prepared(session, req, limits))[1]
 
 
-async def _completion(session: ModelAccess, req: GenerateRequest) -> Generation:
+async def _completion(
+    session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None
+) -> Generation:
     completion = req.completion
     assert completion is not None
     sampling, max_tokens, stop = _sampling(session, req)
     if max_tokens is None:
         max_tokens = complete.DEFAULT_MAX_TOKENS
+    grammar = format_grammar(req.format)
+    await _compile(session, grammar, limits)
+    sampling = msgspec.structs.replace(sampling, grammar=grammar)
     prompts = await asyncio.to_thread(complete.tokens, session, completion)
     echoes = await asyncio.to_thread(complete.echoes, session, completion, prompts)
     lora = lora_scales(req.lora, session.adapters)
@@ -310,6 +318,19 @@ async def _render(session: ModelAccess, chat: ChatRequest, template: ChatTemplat
     )
 
 
+async def _compile(session: ModelAccess, grammar: str | None, limits: LimitsConfig | None) -> None:
+    """Compile `grammar` for the model in a worker thread (kept, so the engine's copy is
+    cheap): what llguidance refuses is a 400 with its reason, before the request takes a
+    sequence."""
+    if grammar is None:
+        return
+    if limits is not None and len(grammar) > limits.max_grammar_bytes:
+        raise InvalidRequest(
+            f"the grammar has {len(grammar)} bytes; at most {limits.max_grammar_bytes}"
+        )
+    await asyncio.to_thread(session.engine.grammars.matcher, grammar)
+
+
 async def _prepared(
     session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None
 ) -> tuple[ChatRequest, Prepared]:
@@ -342,11 +363,7 @@ async def _prepared(
         images={images.digest_of_part(i): i.data for m in req.messages for i in m.images},
     )
     prep = await _render(session, chat, template)
-    grammar_bytes = len(prep.grammar or "")
-    if limits is not None and grammar_bytes > limits.max_grammar_bytes:
-        raise InvalidRequest(
-            f"the schema's grammar has {grammar_bytes} bytes; at most {limits.max_grammar_bytes}"
-        )
+    await _compile(session, prep.grammar, limits)
     if verbatim is not None:
         prep = dataclasses.replace(prep, prompt=verbatim, static_prefix=0)
     elif req.raw is not None and req.raw.context:

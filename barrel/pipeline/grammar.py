@@ -1,102 +1,102 @@
-"""JSON schema to GBNF, through llama-cpp-python's converter.
+"""What a request asks its output to match, as an llguidance grammar (barrel.engine.grammar
+compiles and runs it): a JSON schema, any JSON object, a regular expression, one of
+several strings, or a Lark grammar (llama.cpp's GBNF is converted to Lark).
 
-The converter shipped with llama-cpp-python 0.3.36 lets a JSON string contain raw control
-characters (`char ::= [^"\\\\]`), so a constrained model can emit a newline inside a
-string and the document no longer parses. llama.cpp's own converter excludes them; the
-rule is tightened here to match it.
+Pure functions of the request. Whether llguidance can compile the result (unsupported
+schema keywords, a bad regex, limits) is decided by compiling it, in the pipeline's
+worker thread, before the request takes a sequence: a 400 with llguidance's reason.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llama_cpp.llama_grammar import json_schema_to_gbnf
+from llguidance import LLMatcher
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from barrel.errors import InvalidRequest
+from barrel.pipeline.request import Format
 
-_LOOSE_CHAR = 'char ::= [^"\\\\]'
-_STRICT_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F]'
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+# Whitespace between JSON's tokens as llama.cpp's converter allows it: none, a space, or
+# a new line and at most 20 spaces or tabs of indent. Unbounded whitespace lets a model
+# write blanks until max_tokens (a small model does, sampled).
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
-    """A GBNF grammar (root rule `root`) accepting exactly the JSON documents that
-    validate against `schema`."""
-    grammar: str = json_schema_to_gbnf(json.dumps(schema))
-    if _LOOSE_CHAR not in grammar and "char ::=" in grammar:
-        raise RuntimeError("llama-cpp-python's JSON grammar changed; review json_schema_grammar")
-    return grammar.replace(_LOOSE_CHAR, _STRICT_CHAR)
+    """The grammar of the JSON documents that validate against `schema`, objects
+    closed (`closed`)."""
+    try:
+        text = json.dumps(closed(schema))
+        return str(LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS))
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"the JSON schema cannot be used: {exc}") from None
 
 
-# Schema keywords whose value a grammar expands into that many repetitions.
-_COUNT_KEYWORDS = (
-    "minLength",
-    "maxLength",
-    "minItems",
-    "maxItems",
-    "minProperties",
-    "maxProperties",
-)
-_QUANTIFIER = re.compile(r"\{(\d+)(?:,(\d*))?\}")
-# A counted group that can match in several ways (it may be empty, or hold choices or
-# repetitions) multiplies llama.cpp's grammar stacks: (a?){64} costs 0.3 s a token,
-# (a?){128} 4 s, (a?){200} minutes. Such a group may repeat at most this often.
-AMBIGUOUS_REPEAT = 16
+# keywords whose value maps names to schemas, and those whose value is data, not schema
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("const", "enum", "default", "examples")
 
 
-def check_schema(schema: Any, *, max_bytes: int, max_repeat: int, where: str) -> None:
-    """Refuse (400) a JSON schema whose grammar would be too large or too slow to
-    sample: its size, counted repetitions in patterns, and length or item bounds."""
-    size = len(json.dumps(schema))
+def closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` wherever an object lists its
+    properties and says nothing of others: the model writes the properties it was
+    given (llama.cpp's converter and vLLM read schemas so; a model sampling freely
+    otherwise adds keys until max_tokens)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed(sub) for name, sub in value.items()}
+        else:
+            out[key] = closed(value)
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def check_size(spec: Any, *, max_bytes: int, where: str) -> None:
+    """Refuse (400) a schema or grammar larger than `max_bytes` as JSON. Its cost
+    otherwise is llguidance's to bound (barrel.engine.grammar.limits)."""
+    size = len(json.dumps(spec))
     if size > max_bytes:
         raise InvalidRequest(f"{where}: the schema has {size} bytes; at most {max_bytes}")
 
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "pattern" and isinstance(value, str):
-                    _check_pattern(value, max_repeat, where)
-                elif key in _COUNT_KEYWORDS and isinstance(value, int) and value > max_repeat:
-                    raise InvalidRequest(f"{where}: {key} {value} is above {max_repeat}")
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
 
-    walk(schema)
-
-
-def _check_pattern(pattern: str, max_repeat: int, where: str) -> None:
-    opened: list[int] = []
-    i = 0
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\":  # an escaped character: literal
-            i += 2
-            continue
-        if ch == "[":  # a character class: its parentheses are literal
-            end = pattern.find("]", i + 2)
-            i = len(pattern) if end < 0 else end + 1
-            continue
-        if ch == "(":
-            opened.append(i)
-        elif ch == ")" and opened:
-            start = opened.pop()
-            m = _QUANTIFIER.match(pattern, i + 1)
-            body = pattern[start + 1 : i]
-            if m is not None and _bound(m) > AMBIGUOUS_REPEAT and any(c in body for c in "?*+|{("):
-                raise InvalidRequest(
-                    f"{where}: the pattern repeats a group that can match in several ways "
-                    f"{_bound(m)} times; at most {AMBIGUOUS_REPEAT}"
-                )
-        i += 1
-    for m in _QUANTIFIER.finditer(pattern):
-        if _bound(m) > max_repeat:
-            raise InvalidRequest(
-                f"{where}: the pattern repeats {_bound(m)} times; at most {max_repeat}"
-            )
+def format_grammar(fmt: Format) -> str | None:
+    """The grammar of a response format; None for free text."""
+    if fmt.kind == "json_object":
+        return json_schema_grammar(ANY_OBJECT)
+    if fmt.kind == "json_schema":
+        assert fmt.schema is not None
+        return json_schema_grammar(fmt.schema)
+    if fmt.kind == "regex":
+        return str(LLMatcher.grammar_from_regex(fmt.text))
+    if fmt.kind == "choice":
+        return str(LLMatcher.grammar_from_lark(choice_lark(fmt.choices)))
+    if fmt.kind == "grammar":
+        return str(LLMatcher.grammar_from_lark(lark_of(fmt.text)))
+    return None
 
 
-def _bound(m: re.Match[str]) -> int:
-    return max(int(m.group(1)), int(m.group(2) or 0))
+def choice_lark(choices: tuple[str, ...]) -> str:
+    """A Lark grammar matching exactly one of `choices` (JSON string literals are Lark's)."""
+    return "start: " + " | ".join(json.dumps(c) for c in choices) + "\n"
+
+
+def lark_of(text: str) -> str:
+    """A Lark grammar as it is, or llama.cpp's GBNF (`root ::= ...`) converted to Lark."""
+    try:
+        return str(any_to_lark(text))
+    except GbnfToLarkError as exc:
+        raise InvalidRequest(f"the GBNF grammar cannot be read: {exc}", param="grammar") from None

@@ -86,10 +86,19 @@ class ToolChoice(msgspec.Struct, frozen=True):
 
 
 class Format(msgspec.Struct, frozen=True):
-    """The answer's shape: free text, any JSON object, or JSON matching `schema`."""
+    """The answer's shape: free text, any JSON object, JSON matching `schema`, text
+    matching the regular expression `text`, one of `choices`, or the Lark or GBNF
+    grammar `text` (barrel.pipeline.grammar)."""
 
-    kind: Literal["text", "json_object", "json_schema"] = "text"
+    kind: Literal["text", "json_object", "json_schema", "regex", "choice", "grammar"] = "text"
     schema: dict[str, Any] | None = None
+    text: str = ""
+    choices: tuple[str, ...] = ()
+
+    @property
+    def json(self) -> bool:
+        """The answer is a JSON document (a reasoning model's thinking comes first)."""
+        return self.kind in ("json_object", "json_schema")
 
 
 class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -11,30 +11,21 @@ import httpx
 from tests.hostile.conftest import NORMAL, Hostile, assert_4xx
 
 
-def test_a_pathological_schema_pattern_is_refused_at_once(hostile: Hostile) -> None:
+def test_a_pathological_schema_pattern_is_served_and_a_huge_schema_refused(
+    hostile: Hostile,
+) -> None:
+    # (a?){200}a{200} multiplied llama.cpp's grammar stacks (minutes a token); llguidance
+    # refuses it when building its lexer, within its fuel (tests/test_structured.py has
+    # the costly kinds).
     schema = {
         "type": "object",
         "properties": {"s": {"type": "string", "pattern": "^(a?){200}a{200}$"}},
         "required": ["s"],
     }
-    started = time.monotonic()
-    r = hostile.post("/api/chat", json={**NORMAL, "format": schema})
-    assert_4xx(r, 400, "pattern")
-    r = hostile.post(
-        "/v1/chat/completions",
-        json={
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "x"}],
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "s", "schema": schema},
-            },
-        },
-    )
-    assert_4xx(r, 400, "pattern")
+    body = {**NORMAL, "format": schema, "options": {"num_predict": 8, "temperature": 0}}
+    assert_4xx(hostile.post("/api/chat", json=body), 400, "lexer")
     huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}
     assert_4xx(hostile.post("/api/chat", json={**NORMAL, "format": huge}), 400, "bytes")
-    assert time.monotonic() - started < 30  # safety net: refused, not sampled
     hostile.still_serving()
 
 
