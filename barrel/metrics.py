@@ -172,6 +172,11 @@ class _EngineFamilies:
             "Speculative draft tokens kept (equal to the token sampled there)",
             ["model"],
         )
+        self.forced_tokens = counter(
+            "barrel_engine_forced_tokens",
+            "Tokens a grammar allowed as the only continuation, appended without sampling",
+            ["model"],
+        )
         self.restored_tokens = counter(
             "barrel_engine_restored_tokens",
             "Prompt tokens restored from states saved on disk when a model last stopped",
@@ -220,6 +225,7 @@ class EngineMetrics:
         self._drafted = f.draft_tokens.labels(model)
         self._accepted = f.draft_accepted.labels(model)
         self._turn_tokens = f.turn_tokens.labels(model)
+        self._forced = f.forced_tokens.labels(model)
 
     def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
         self._step.observe(seconds)
@@ -235,6 +241,9 @@ class EngineMetrics:
 
     def next_turn(self, tokens: int) -> None:
         self._turn_tokens.inc(tokens)
+
+    def forced(self, tokens: int) -> None:
+        self._forced.inc(tokens)
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

@@ -40,6 +40,8 @@ class Observer:
 
     def next_turn(self, *args: object) -> None: ...
 
+    def forced(self, *args: object) -> None: ...
+
 
 PROMPTS = (
     "<|im_start|>user\nWrite a Python function that adds two numbers.<|im_end|>\n"

@@ -185,6 +185,10 @@ class _PinAfterFirstRequest:
         if self.inner is not None:
             self.inner.next_turn(tokens)
 
+    def forced(self, tokens: int) -> None:
+        if self.inner is not None:
+            self.inner.forced(tokens)
+
     def finished(self, done: Done) -> None:
         if self.inner is not None:
             self.inner.finished(done)

@@ -18,7 +18,7 @@ from barrel.engine.sampler import LogitRows
 from barrel.engine.shared import Shared
 from barrel.engine.stream import Stream
 from barrel.engine.turns import NextTurns
-from barrel.engine.types import Event, FinishReason, RequestId
+from barrel.engine.types import Event, FinishReason, RequestId, TokenLogprob
 from barrel.futures import ToLoop
 
 
@@ -47,7 +47,8 @@ class Delivery:
                 if prefilled:
                     self.keep_logits(run, index)
                 seq = run.slot.seq if run.slot is not None else -1
-                self.sample(run, index)
+                if not run.forced:  # a forced draft is taken, not sampled (Verifier)
+                    self.sample(run, index)
                 if run.draft:
                     assert verify is not None
                     verify(run, index, seq)
@@ -75,16 +76,31 @@ class Delivery:
                 ),
             )
             return
-        if run.generated:
-            self.observer.inter_token(now - run.last_token_at)
-        else:
-            self.observer.first_token(now - run.submitted)
-        run.last_token_at = now
         logprob = None
         if run.req.sampling.logprobs is not None and logits is not None:
             logprob = run.sampler.logprobs_from(logits, token)
         elif run.req.sampling.logprobs is not None:
             logprob = run.sampler.logprobs(self.ctx, index, token)
+        self._add(run, token, logprob, now)
+
+    def force(self, run: Run, token: int) -> None:
+        """Append `token`, the only one `run`'s grammar allows here (its fast-forward),
+        without sampling it."""
+        constraint = run.sampler.constraint
+        assert constraint is not None
+        try:
+            constraint.take(token)
+        except InvalidGrammar as exc:
+            self.fail(run, exc)
+            return
+        self._add(run, token, None, time.monotonic())
+
+    def _add(self, run: Run, token: int, logprob: TokenLogprob | None, now: float) -> None:
+        if run.generated:
+            self.observer.inter_token(now - run.last_token_at)
+        else:
+            self.observer.first_token(now - run.submitted)
+        run.last_token_at = now
         end, stop = run.add_token(self.model, token, logprob)
         self._dirty[run.id] = run
         constraint = run.sampler.constraint

@@ -22,6 +22,9 @@ class EngineObserver(Protocol):
     def drafted(self, drafted: int, accepted: int) -> None:
         """Speculative decoding: draft tokens verified in a step, and how many were kept."""
 
+    def forced(self, tokens: int) -> None:
+        """A grammar's forced tokens decoded in a step without sampling (fast-forward)."""
+
     def next_turn(self, tokens: int) -> None:
         """A finished sequence was extended with its template's next-turn tokens."""
 
@@ -47,6 +50,9 @@ class NoObserver:
         pass
 
     def drafted(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def forced(self, tokens: int) -> None:
         pass
 
     def next_turn(self, tokens: int) -> None:

@@ -106,9 +106,12 @@ class Planner:
         for run in planned:
             assert run.slot is not None
             assert run.pending is not None
-            index = b.add(run.pending, run.n_past, run.slot.seq, True)
+            # a forced draft (the grammar's fast-forward) needs its last row's logits only
+            run.forced = run.forced and bool(run.draft)
+            index = b.add(run.pending, run.n_past, run.slot.seq, not run.forced)
+            last = len(run.draft) - 1
             for j, token in enumerate(run.draft):
-                b.add(token, run.n_past + 1 + j, run.slot.seq, True)
+                b.add(token, run.n_past + 1 + j, run.slot.seq, not run.forced or j == last)
             entries.append((run, index, 1))
         for run, take in chunks:
             assert run.slot is not None

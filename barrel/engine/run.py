@@ -49,6 +49,9 @@ class Run:
     # (in the batch right after the pending token)
     drafter: NgramDrafter | None = None
     draft: list[int] = field(default_factory=list)
+    # the draft is the grammar's forced tokens (fast-forward): taken, not sampled, and
+    # only its last row's logits are computed
+    forced: bool = False
     _utf8: Utf8Stream = field(default_factory=Utf8Stream)
     _stops: StopMatcher | None = None
 

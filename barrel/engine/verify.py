@@ -10,6 +10,7 @@ import logging
 
 from barrel.engine.deliver import Delivery
 from barrel.engine.draft import DraftModel, Want
+from barrel.engine.errors import InvalidGrammar
 from barrel.engine.model import LlamaModel, ModelOptions
 from barrel.engine.run import Run
 from barrel.engine.shared import Shared
@@ -26,6 +27,8 @@ class Verifier:
         self.delivery, self.observer = delivery, shared.observer
         # partial KV removal (rejected drafts) needs a plain attention cache
         plain = not (model.swa or model.recurrent)
+        self.fast_forward = plain  # a grammar's forced tokens, decoded as a draft
+        self.forced_tokens = 0  # tokens appended that way
         self.ngrams = options.speculation == "ngram" and options.draft_max > 0 and plain
         self.drafter: DraftModel | None = None
         if options.draft_model is not None and plain and not options.embedding:
@@ -48,9 +51,11 @@ class Verifier:
                 break
             assert run.slot is not None
             room -= 1
-            if self.drafter is not None:
+            run.draft = self.forced(run, room)
+            run.forced = bool(run.draft)
+            if not run.forced and self.drafter is not None:
                 run.draft = guesses.get(run.slot.seq, [])[:room]
-            else:
+            elif not run.forced:
                 run.draft = self.draft(run, room)
             room -= len(run.draft)
             planned.append(run)
@@ -76,6 +81,18 @@ class Verifier:
         ]
         return self.drafter.draft(wants, k)
 
+    def forced(self, run: Run, room: int) -> list[int]:
+        """The tokens `run`'s grammar allows as the only continuation after its pending
+        token (llguidance's fast-forward), within `room`: decoded in this step and
+        taken without sampling. Not with logprobs (forced rows compute no logits)."""
+        constraint = run.sampler.constraint
+        if constraint is None or not self.fast_forward or run.req.sampling.logprobs is not None:
+            return []
+        try:
+            return constraint.forced()[: self._room(run, room)]
+        except InvalidGrammar:
+            return []  # the sampler meets the same error and ends the run
+
     def draft(self, run: Run, room: int) -> list[int]:
         """N-gram draft tokens to verify after `run`'s pending token, within the batch's
         `room`, the context and the request's token limit."""
@@ -97,7 +114,10 @@ class Verifier:
     def verify(self, run: Run, index: int, seq: int) -> None:
         """Keep the draft tokens while each equals the token sampled before it (the
         token at `index + j` was sampled from the logits of draft token j-1), then drop
-        the rejected ones' KV cells."""
+        the rejected ones' KV cells. A forced draft is taken whole (`take_forced`)."""
+        if run.forced:
+            self.take_forced(run, index, seq)
+            return
         draft, run.draft = run.draft, []
         kept = 0
         for j, token in enumerate(draft):
@@ -112,6 +132,25 @@ class Verifier:
         if run.drafter is not None:
             run.drafter.record(len(draft), kept)
         self.observer.drafted(len(draft), kept)
+
+    def take_forced(self, run: Run, index: int, seq: int) -> None:
+        """Append the grammar's forced tokens decoded at rows `index + 1...` (the run's
+        pending token was at `index`), then sample from the last one's row."""
+        draft, run.draft, run.forced = run.draft, [], False
+        taken = 0
+        for token in draft:
+            self.delivery.force(run, token)
+            if run.slot is None or run.pending != token:
+                break  # the run ended (max_tokens, a stop string, the grammar's end)
+            run.slot.tokens.append(token)  # already decoded at this position
+            run.n_past += 1
+            run.pending = None
+            taken += 1
+        else:
+            self.delivery.sample(run, index + len(draft))
+        self.kv.cut(seq, run.n_past)
+        self.forced_tokens += taken
+        self.observer.forced(taken)
 
     def free(self) -> None:
         if self.drafter is not None:

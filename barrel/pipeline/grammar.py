@@ -21,10 +21,16 @@ from barrel.pipeline.request import Format
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-# Whitespace between JSON's tokens as llama.cpp's converter allows it: none, a space, or
-# a new line and at most 20 spaces or tabs of indent. Unbounded whitespace lets a model
-# write blanks until max_tokens (a small model does, sampled).
-_JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
+# JSON written one way, as Python's json.dumps writes it: ", " between items, ": " after
+# keys, no other whitespace. Every brace, separator and key of a fixed schema is then the
+# only continuation, which the engine appends without sampling (fast-forward); free
+# whitespace made none of them forced and let a sampled model write blanks until
+# max_tokens.
+_JSON_OPTIONS: JsonCompileOptions = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 

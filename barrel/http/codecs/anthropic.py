@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp
+from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp, constraints
 from barrel.http.errors import error_body
 from barrel.pipeline.events import (
     ChatEvent,
@@ -66,6 +66,8 @@ class MessagesBody(msgspec.Struct, kw_only=True):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its `format`: structured output
+    output_format: dict[str, Any] | None = None  # the beta's name for that format
 
 
 # -- request: Anthropic blocks -> neutral messages ---------------------------------------
@@ -292,6 +294,7 @@ def decode(
         user=user_id if isinstance(user_id, str) else None,
         pin_messages=pin,
         continue_final=prefill and not thinking,
+        format=constraints.anthropic(body.output_config, body.output_format),
     ), body
 
 

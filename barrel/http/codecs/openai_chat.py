@@ -28,6 +28,7 @@ from barrel.http.codecs.openai_common import (
     check_knobs,
     decode_json,
     error_frame,
+    format_of,
     include_usage,
     logit_bias_of,
     lora_of,
@@ -49,7 +50,6 @@ from barrel.pipeline.events import (
 )
 from barrel.pipeline.request import (
     Dialect,
-    Format,
     GenerateRequest,
     ImagePart,
     Message,
@@ -69,7 +69,6 @@ class ChatBody(Knobs, kw_only=True):
     tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     reasoning_effort: str | None = None
@@ -225,26 +224,6 @@ def tool_choice_of(choice: Any, *, nested: bool = True) -> ToolChoice:
     )
 
 
-def format_of(fmt: dict[str, Any] | None) -> Format:
-    if fmt is None:
-        return Format()
-    kind = fmt.get("type")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise InvalidRequest(
-            "response_format.type must be text, json_object or json_schema",
-            param="response_format",
-        )
-    if kind == "json_schema":
-        spec = fmt.get("json_schema") or {}
-        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise InvalidRequest(
-                "response_format.json_schema.schema must be an object", param="response_format"
-            )
-        return Format("json_schema", schema)
-    return Format(kind)
-
-
 def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest, ChatBody]:
     """Everything that can be checked without the model, before queueing or loading; and
     the body, for the encoder. `conversation` is the session header (x-conversation-id, x-session-id
@@ -278,7 +257,7 @@ def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest
         tools=tools,
         tool_choice=tool_choice_of(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
-        format=format_of(body.response_format),
+        format=format_of(body),
         options=options_of(body),
         logit_bias=logit_bias_of(body),
         ignore_eos=body.ignore_eos,

@@ -10,10 +10,11 @@ import msgspec
 
 from barrel import __version__
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.http.codecs import Comment, Data
+from barrel.http.codecs import Comment, Data, constraints
+from barrel.http.codecs.constraints import TEXT
 from barrel.http.errors import error_body
 from barrel.pipeline.events import TokenLogprob, Usage
-from barrel.pipeline.request import Dialect, Options
+from barrel.pipeline.request import Dialect, Format, Options
 
 MAX_N = 8  # choices per request (each one is a sequence of the engine)
 MAX_TOP_LOGPROBS = 20
@@ -25,6 +26,18 @@ class LoraEntry(msgspec.Struct, forbid_unknown_fields=True):
 
 
 MAX_LORA_ENTRIES = 64
+
+
+def format_of(k: Knobs) -> Format:
+    """The one structured-output field the request set (a 400 for several)."""
+    return constraints.one_of(
+        response_format=constraints.response_format(k.response_format),
+        json_schema=constraints.json_schema(k.json_schema),
+        grammar=TEXT if k.grammar is None else constraints.grammar(k.grammar),
+        structured_outputs=TEXT
+        if k.structured_outputs is None
+        else constraints.structured_outputs(k.structured_outputs),
+    )
 
 
 def lora_of(k: Knobs) -> tuple[tuple[int, float], ...] | None:
@@ -65,6 +78,12 @@ class Knobs(msgspec.Struct, kw_only=True):
     lora: list[LoraEntry] | None = None
     # vLLM's and llama-server's: generate past end-of-generation tokens (benchmarks)
     ignore_eos: bool = False
+    # structured output beside OpenAI's response_format (barrel.http.codecs.constraints):
+    # llama-server's json_schema and grammar, vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    json_schema: Any = None
+    grammar: Any = None
+    structured_outputs: Any = None
 
 
 B = TypeVar("B", bound=msgspec.Struct)

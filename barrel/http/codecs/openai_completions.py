@@ -22,6 +22,7 @@ from barrel.http.codecs.openai_common import (
     check_knobs,
     decode_json,
     error_frame,
+    format_of,
     include_usage,
     logit_bias_of,
     lora_of,
@@ -93,6 +94,7 @@ def decode(raw: bytes) -> tuple[GenerateRequest, CompletionBody]:
         stream=body.stream,
         lora=lora_of(body),
         ignore_eos=body.ignore_eos,
+        format=format_of(body),
     ), body
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp
+from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp, constraints
 from barrel.http.codecs.openai_chat import (
     EFFORTS,
     arguments_of,
@@ -28,6 +28,7 @@ from barrel.http.codecs.openai_common import (
     Knobs,
     check_knobs,
     decode_json,
+    format_of,
     logit_bias_of,
     options_of,
     progress,
@@ -198,7 +199,9 @@ def decode(
         tools=tools,
         tool_choice=tool_choice_of(body.tool_choice, nested=False),
         parallel_tool_calls=body.parallel_tool_calls,
-        format=_format(body.text),
+        format=constraints.one_of(
+            **{"text.format": _format(body.text), "json_schema or grammar": format_of(body)}
+        ),
         options=options_of(body),
         logit_bias=logit_bias_of(body),
         ignore_eos=body.ignore_eos,

@@ -1,0 +1,117 @@
+"""The engine under an llguidance grammar (barrel.engine.grammar): the mask, the end of a
+grammar ending the sequence, forced tokens appended without sampling, llguidance's
+limits failing only their own sequence. Tiny model: its output is near random, so a
+valid document is the grammar's doing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from barrel.engine.engine import Engine, EngineOptions
+from barrel.engine.errors import InvalidGrammar
+from barrel.engine.model import LlamaModel
+from barrel.engine.types import Done, FinishReason, GenerationRequest, SamplingParams
+from barrel.pipeline.grammar import choice_lark, json_schema_grammar
+from llguidance import LLMatcher
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+    },
+    "required": ["name", "kind", "count", "tags"],
+}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path: Path) -> Iterator[LlamaModel]:
+    m = LlamaModel.load(tiny_path)
+    yield m
+    m.free()
+
+
+@pytest.fixture
+async def engine(model: LlamaModel) -> AsyncIterator[Engine]:
+    e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=4)).start()
+    yield e
+    await asyncio.to_thread(e.stop)
+
+
+async def run(
+    engine: Engine, model: LlamaModel, grammar: str, **sampling: object
+) -> tuple[str, Done]:
+    params = SamplingParams(grammar=grammar, **sampling)  # type: ignore[arg-type]
+    request = GenerationRequest(model.tokenize("Answer:"), params, max_tokens=300)
+    deltas, done = await engine.submit(request).collect()
+    return "".join(d.text for d in deltas), done
+
+
+async def test_greedy_and_sampled_output_validate_and_the_grammar_s_end_ends_them(
+    engine: Engine, model: LlamaModel
+) -> None:
+    grammar = json_schema_grammar(SCHEMA)
+    answers = [await run(engine, model, grammar, temperature=0.0)]
+    answers += await asyncio.gather(
+        *(run(engine, model, grammar, temperature=1.0, seed=s) for s in range(8))
+    )
+    for text, done in answers:
+        document = json.loads(text)  # nothing after the closing brace
+        jsonschema.validate(document, SCHEMA)
+        assert set(document) == set(SCHEMA["properties"])  # objects closed
+        assert done.finish_reason is FinishReason.STOP
+        # the sequence ended at the grammar's end, without sampling an end token
+        assert not model.is_eog(done.tokens[-1])
+    assert len({text for text, _ in answers}) > 1
+
+
+async def test_forced_tokens_are_appended_without_sampling(
+    engine: Engine, model: LlamaModel
+) -> None:
+    text, done = await run(engine, model, json_schema_grammar(SCHEMA), temperature=0.0)
+    assert engine.verifier is not None
+    # keys of a fixed schema are forced: `"name":`, `"kind":`, ...
+    assert engine.verifier.forced_tokens > 0
+    assert engine.verifier.forced_tokens < len(done.tokens)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+async def test_regex_and_choice_grammars(engine: Engine, model: LlamaModel) -> None:
+    regex = str(LLMatcher.grammar_from_regex(r"[0-9]{3}-[a-z]{2}"))
+    text, _ = await run(engine, model, regex, temperature=1.0, seed=3)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text), text
+    choice = str(LLMatcher.grammar_from_lark(choice_lark(("red", "green", "blue"))))
+    text, _ = await run(engine, model, choice, temperature=1.0, seed=5)
+    assert text in ("red", "green", "blue")
+
+
+async def test_a_refused_grammar_fails_before_it_is_queued(engine: Engine, model: LlamaModel) -> None:
+    bad = str(LLMatcher.grammar_from_lark("start: undefined_rule\n"))
+    with pytest.raises(InvalidGrammar, match="undefined_rule"):
+        engine.grammars.matcher(bad)
+    with pytest.raises(InvalidGrammar):
+        await run(engine, model, bad)
+    # the engine serves on
+    text, _ = await run(engine, model, json_schema_grammar({"type": "boolean"}))
+    assert text in ("true", "false")
+
+
+async def test_a_grammar_is_compiled_once_and_each_sequence_gets_a_copy(engine: Engine) -> None:
+    grammar = json_schema_grammar({**SCHEMA, "title": "compiled once"})
+    before = engine.grammars.compiles
+    a = engine.grammars.matcher(grammar)
+    b = engine.grammars.matcher(grammar)
+    assert engine.grammars.compiles == before + 1
+    assert a is not b
+    start = b.compute_ff_tokens()
+    assert a.consume_token(start[0])
+    assert b.compute_ff_tokens() == start  # a's token is not b's
