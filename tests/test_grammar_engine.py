@@ -13,13 +13,13 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from llguidance import LLMatcher
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.errors import InvalidGrammar
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import Done, FinishReason, GenerationRequest, SamplingParams
 from barrel.pipeline.grammar import choice_lark, json_schema_grammar
-from llguidance import LLMatcher
 
 SCHEMA = {
     "type": "object",
@@ -94,7 +94,9 @@ async def test_regex_and_choice_grammars(engine: Engine, model: LlamaModel) -> N
     assert text in ("red", "green", "blue")
 
 
-async def test_a_refused_grammar_fails_before_it_is_queued(engine: Engine, model: LlamaModel) -> None:
+async def test_a_refused_grammar_fails_before_it_is_queued(
+    engine: Engine, model: LlamaModel
+) -> None:
     bad = str(LLMatcher.grammar_from_lark("start: undefined_rule\n"))
     with pytest.raises(InvalidGrammar, match="undefined_rule"):
         engine.grammars.matcher(bad)
