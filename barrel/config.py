@@ -51,8 +51,9 @@ class LimitsConfig(_Section, frozen=True):
     max_stop_length: int = 256  # characters in one stop string
     max_sequences: int = 16  # engine sequences one request runs (prompts x n)
     max_schema_bytes: int = 64 * 1024  # a response format's or a tool's JSON schema
-    max_grammar_bytes: int = 256 * 1024  # the grammar a schema becomes
-    max_schema_repeat: int = 256  # {m,n} bounds and min/max lengths and items in a schema
+    max_grammar_bytes: int = 256 * 1024  # the llguidance grammar a format becomes
+    # No effect: older config files set it. llguidance bounds every grammar step.
+    max_schema_repeat: int = 256
     template_render_s: float = 5.0  # time to render one chat template
     grammar_sample_s: float = 2.0  # time to sample one token under a grammar
     max_images: int = 16  # images in one request

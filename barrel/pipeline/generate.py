@@ -267,7 +267,7 @@ async def _completion(
     sampling, max_tokens, stop = _sampling(session, req)
     if max_tokens is None:
         max_tokens = complete.DEFAULT_MAX_TOKENS
-    grammar = format_grammar(req.format)
+    grammar = await asyncio.to_thread(format_grammar, req.format)  # GBNF is read in Python
     await _compile(session, grammar, limits)
     sampling = msgspec.structs.replace(sampling, grammar=grammar)
     prompts = await asyncio.to_thread(complete.tokens, session, completion)

@@ -13,7 +13,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from llguidance import LLMatcher
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark
 
 from barrel.errors import InvalidRequest
 from barrel.pipeline.request import Format
@@ -49,13 +49,14 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 _DATA = ("const", "enum", "default", "examples")
 
 
-def closed(schema: Any) -> Any:
+def closed(schema: Any, close: bool = True) -> Any:
     """`schema` with `additionalProperties: false` wherever an object lists its
     properties and says nothing of others: the model writes the properties it was
     given (llama.cpp's converter and vLLM read schemas so; a model sampling freely
-    otherwise adds keys until max_tokens)."""
+    otherwise adds keys until max_tokens). The members of an `allOf` stay open (each
+    names only some of the properties of one object); their union is closed."""
     if isinstance(schema, list):
-        return [closed(s) for s in schema]
+        return [closed(s, close) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
@@ -65,9 +66,16 @@ def closed(schema: Any) -> Any:
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: closed(sub) for name, sub in value.items()}
         else:
-            out[key] = closed(value)
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+            out[key] = closed(value, key != "allOf")
+    if not close or "additionalProperties" in out or "patternProperties" in out:
+        return out
+    if "properties" in out:
         out["additionalProperties"] = False
+    elif isinstance(out.get("allOf"), list):
+        names = [n for m in out["allOf"] if isinstance(m, dict) for n in m.get("properties", {})]
+        if names:  # the union of the members' properties, closed
+            out["properties"] = {n: True for n in names}
+            out["additionalProperties"] = False
     return out
 
 
@@ -104,5 +112,5 @@ def lark_of(text: str) -> str:
     """A Lark grammar as it is, or llama.cpp's GBNF (`root ::= ...`) converted to Lark."""
     try:
         return str(any_to_lark(text))
-    except GbnfToLarkError as exc:
+    except Exception as exc:  # noqa: BLE001 - the converter raises bare Exceptions too
         raise InvalidRequest(f"the GBNF grammar cannot be read: {exc}", param="grammar") from None
