@@ -17,7 +17,7 @@ from barrel.config import LimitsConfig
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import SamplingParams
+from barrel.engine.types import GenerationRequest, SamplingParams
 from barrel.errors import InvalidRequest
 from barrel.pipeline import generate
 from barrel.pipeline.chat import ChatRequest, prepare, run, template_tools
@@ -337,3 +337,32 @@ def test_the_head_is_rendered_once_per_conversation(tiny: Setup) -> None:
     )
     assert renders[-2:] == [2, 1]  # another head is rendered
     assert prep.static_prefix >= 32
+
+
+async def test_a_forced_call_is_written_in_the_family_s_own_syntax(tiny: Setup) -> None:
+    assert tiny.family.name == "hermes"
+
+    def tokenize_as(text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return tiny.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    req = ChatRequest(
+        user("Weather?"),
+        tools=(WEATHER,),
+        tool_choice=ToolChoice("required"),
+        sampling=SamplingParams(temperature=1.0, seed=4),
+        max_tokens=200,
+    )
+    prep = prepare(
+        req, tiny.template, tiny.model.tokenize, tiny.family, tiny.model.control_tokens, tokenize_as
+    )
+    assert not prep.forced_call  # not a bare JSON object: the family's parser reads it
+    (start,) = tokenize_as("<tool_call>", False, True)
+    (end,) = tokenize_as("</tool_call>", False, True)
+    _, done = await tiny.engine.submit(GenerationRequest(prep.prompt, prep.sampling)).collect()
+    assert done.tokens[0] == start
+    assert done.tokens[-1] == end
+    events = [e async for e in run(tiny.engine, req, prep)]
+    (call,) = [e for e in events if isinstance(e, ToolCallEvent)]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER.parameters)
+    assert events[-1].reason == "tool_calls"

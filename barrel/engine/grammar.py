@@ -117,7 +117,7 @@ def _tokenizer(model: LlamaModel) -> llg.LLTokenizer:
 
 def _reason(error: str) -> str:
     error = error.replace("<non-verbose/>", "").strip()
-    return f"the grammar cannot be used: {error or 'refused by llguidance'}"
+    return f"the schema or grammar cannot be used: {error or 'refused by llguidance'}"
 
 
 class Constraint:

@@ -54,7 +54,7 @@ from barrel.pipeline.events import (
     Usage,
 )
 from barrel.pipeline.gotemplate import go_to_jinja, is_go_template
-from barrel.pipeline.grammar import format_grammar, json_schema_grammar
+from barrel.pipeline.grammar import call_grammar, format_grammar, json_schema_grammar
 from barrel.pipeline.images import REFUSAL, image_marker, markers_of
 from barrel.pipeline.request import Format, Tool, ToolChoice
 from barrel.pipeline.templates import ChatTemplate
@@ -146,6 +146,21 @@ def _forced_schema(req: ChatRequest) -> dict[str, Any] | None:
     return _call_schema(next(t for t in req.tools if t.name == req.tool_choice.name))
 
 
+def _call_grammar(
+    schema: dict[str, Any], fam: Family | None, tokenize_as: Tokenize | None
+) -> str | None:
+    """A forced call's grammar in the family's own syntax, where the family writes a JSON
+    call between two markers that are one token each (hermes); else None (a bare JSON
+    call object, read by the generic parser)."""
+    if fam is None or tokenize_as is None or fam.body != "json" or not fam.starts or not fam.end:
+        return None
+    start = tokenize_as(fam.starts[0], False, True)
+    end = tokenize_as(fam.end, False, True)
+    if len(start) != 1 or len(end) != 1:
+        return None
+    return call_grammar(schema, start[0], end[0])
+
+
 def _open_final(prompt_text: str, messages: list[dict[str, Any]]) -> str:
     """The rendered prompt cut right after the final assistant message's text, so the
     model continues it (vLLM's `continue_final_message`): the template's end of turn
@@ -201,7 +216,14 @@ def prepare(
     render_s = time.perf_counter() - start
     sampling = req.sampling
     # Built now even when thinking comes first: a bad schema is a 400 before any work.
-    grammar = json_schema_grammar(forced) if forced is not None else format_grammar(req.format)
+    bare_call = False
+    if forced is not None:
+        grammar = _call_grammar(forced, template_family if tools else None, tokenize_as)
+        bare_call = grammar is None
+        if grammar is None:
+            grammar = json_schema_grammar(forced)
+    else:
+        grammar = format_grammar(req.format)
     if grammar is not None and not req.thinking:
         sampling = msgspec.structs.replace(sampling, grammar=grammar)
     pieces: dict[str, Piece] = {}
@@ -231,7 +253,7 @@ def prepare(
         ),
         sampling=sampling,
         family=fam,
-        forced_call=forced is not None,
+        forced_call=bare_call,
         grammar=grammar,
         tool_names=tuple(t.name for t in req.tools) if tools else (),
         render_s=render_s,

@@ -87,6 +87,15 @@ def check_size(spec: Any, *, max_bytes: int, where: str) -> None:
         raise InvalidRequest(f"{where}: the schema has {size} bytes; at most {max_bytes}")
 
 
+def call_grammar(schema: dict[str, Any], start: int, end: int) -> str:
+    """A forced tool call in its family's own syntax: the start marker's token, a new
+    line, the JSON call object matching `schema`, a new line, the end marker's token
+    (hermes: `<tool_call>` ... `</tool_call>`); the grammar, and the answer, end there."""
+    call = {**closed(schema), "x-guidance": _JSON_OPTIONS}
+    lark = f'start: <[{start}]> "\\n" call "\\n" <[{end}]>\ncall: %json {json.dumps(call)}\n'
+    return str(LLMatcher.grammar_from_lark(lark))
+
+
 def format_grammar(fmt: Format) -> str | None:
     """The grammar of a response format; None for free text."""
     if fmt.kind == "json_object":
