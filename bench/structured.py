@@ -155,6 +155,27 @@ def valid(text: str) -> bool:
     return True
 
 
+async def one_round(
+    session: aiohttp.ClientSession,
+    order: list[tuple[str, str]],
+    pids: list[int],
+    plan: dict[str, tuple[dict[str, Any], dict[str, Any]]],
+    tokens: int,
+    results: dict[str, dict[str, list[float]]],
+) -> None:
+    """Every shape, free then constrained, on each server in `order`."""
+    for shape, (free, constrained) in plan.items():
+        for kind, body in (("free", free), ("constrained", constrained)):
+            for name, url in order:
+                await settle(pids)
+                rate, used, text = await decode_rate(session, url, body, tokens)
+                if kind == "constrained" and not valid(text):
+                    print(f"  {name} {shape}: not JSON after {used} tokens: {text[:80]!r}")
+                key = f"{shape} {kind}"
+                results.setdefault(name, {}).setdefault(key, []).append(rate)
+                results[name].setdefault(key + " tokens", []).append(used)
+
+
 async def measure(args: argparse.Namespace) -> None:
     model = bundled.assemble("qwen2.5-coder-0.5b")
     llama_server()
@@ -180,22 +201,10 @@ async def measure(args: argparse.Namespace) -> None:
                         await decode_rate(session, url, free, 16)
                         await decode_rate(session, url, constrained, 16)
                 pids = [proc.pid for proc, _ in servers.values()]
-                order = list(servers.items())
+                urls = [(name, url) for name, (_, url) in servers.items()]
                 for r in range(args.rounds):
-                    for shape, (free, constrained) in plan.items():
-                        for kind, body in (("free", free), ("constrained", constrained)):
-                            for name, (_, url) in order if r % 2 == 0 else order[::-1]:
-                                await settle(pids)
-                                rate, used, text = await decode_rate(
-                                    session, url, body, args.tokens
-                                )
-                                if kind == "constrained" and not valid(text):
-                                    print(
-                                        f"  {name} {shape}: not JSON after {used} tokens: {text[:80]!r}"
-                                    )
-                                key = f"{shape} {kind}"
-                                results.setdefault(name, {}).setdefault(key, []).append(rate)
-                                results[name].setdefault(key + " tokens", []).append(used)
+                    order = urls if r % 2 == 0 else urls[::-1]
+                    await one_round(session, order, pids, plan, args.tokens, results)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
