@@ -154,12 +154,15 @@ async def stream(
     messages: list[dict[str, str]],
     tokens: int,
     ignore_eos: bool = False,
+    extra: dict[str, object] | None = None,
 ) -> tuple[float, int, float, str]:
     """(time to first content, tokens, end time, text) of one streamed chat: the tokens
     from the last chunk's usage (a speculating server sends several a chunk), else the
-    content chunks."""
+    content chunks. Tool-call argument pieces count as content; `extra` goes into the
+    body."""
     body = {"model": "qwen", "messages": messages, "temperature": 0, "max_tokens": tokens}
     body |= {"ignore_eos": True} if ignore_eos else {}
+    body |= extra or {}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first, chunks, text, used = 0.0, 0, "", 0
@@ -171,8 +174,10 @@ async def stream(
                 continue
             frame = json.loads(line[6:])
             used = (frame.get("usage") or {}).get("completion_tokens") or used
-            choices = frame.get("choices") or [{}]
-            piece = (choices[0].get("delta") or {}).get("content") or ""
+            delta = (frame.get("choices") or [{}])[0].get("delta") or {}
+            piece = delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                piece += (call.get("function") or {}).get("arguments") or ""
             if piece:
                 first = first or time.perf_counter() - start
                 chunks += 1

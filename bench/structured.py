@@ -30,7 +30,7 @@ import aiohttp
 
 from barrel.store import bundled
 from bench.http import start_daemon, wait_ready
-from bench.peers import PARALLEL, compare, llama_server, settle, start_llama_server
+from bench.peers import PARALLEL, compare, llama_server, settle, start_llama_server, stream
 
 SMALL = {
     "type": "object",
@@ -121,30 +121,12 @@ async def decode_rate(
 ) -> tuple[float, int, str]:
     """(decode tokens/s, tokens, text) of one streamed greedy request: content and
     tool-call argument pieces both count as output."""
-    payload = {"model": "qwen", "temperature": 0, "max_tokens": tokens, **body}
-    payload |= {"stream": True, "stream_options": {"include_usage": True}}
-    first = last = 0.0
-    used, text = 0, ""
-    async with session.post(url + "/v1/chat/completions", json=payload) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            frame = json.loads(line[6:])
-            used = (frame.get("usage") or {}).get("completion_tokens") or used
-            delta = ((frame.get("choices") or [{}])[0]).get("delta") or {}
-            piece = delta.get("content") or ""
-            for call in delta.get("tool_calls") or []:
-                piece += (call.get("function") or {}).get("arguments") or ""
-            if piece:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                text += piece
-    if used < 2 or last <= first:
+    extra = {k: v for k, v in body.items() if k != "messages"}
+    start = time.perf_counter()
+    first, used, end, text = await stream(session, url, body["messages"], tokens, extra=extra)
+    if used < 2 or not first:
         return 0.0, used, text
-    return (used - 1) / (last - first), used, text
+    return (used - 1) / (end - start - first), used, text
 
 
 def valid(text: str) -> bool:
