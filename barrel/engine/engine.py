@@ -205,13 +205,10 @@ class Engine:
         req = self.loras.check(req)
         check_media(req, self.projector)
         # Built in the caller's thread (it needs the vocabulary only): a bad grammar fails
-        # the request before it is queued. The pipeline compiled the grammar already (in a
-        # worker thread); this takes a copy of the compiled matcher.
+        # the request before it is queued; the pipeline compiled it (a worker thread).
         grammar = req.sampling.grammar
-        constraint = (
-            Constraint(self.grammars.matcher(grammar), self.model.n_vocab) if grammar else None
-        )
-        sampler = Sampler(self.model, req.sampling, self.n_ctx, self._rows, constraint)
+        rule = Constraint(self.grammars.matcher(grammar), self.model.n_vocab) if grammar else None
+        sampler = Sampler(self.model, req.sampling, self.n_ctx, self._rows, rule)
         rid = RequestId(next(self._ids))
         s = Stream(rid, to_loop, self.cancel, self._resume)
         self._queue_work(Submit(Run(rid, req, s, sampler)), refused=sampler.free)
