@@ -117,3 +117,37 @@ async def test_a_grammar_is_compiled_once_and_each_sequence_gets_a_copy(engine: 
     start = b.compute_ff_tokens()
     assert a.consume_token(start[0])
     assert b.compute_ff_tokens() == start  # a's token is not b's
+
+
+MALFORMED = [
+    {"allOf": [{"properties": [{"a": 1}]}]},
+    {"properties": "x"},
+    {"type": "object", "required": "x"},
+    {"$ref": 5},
+    {"enum": 3},
+    {"items": [[[]]]},
+    {"type": "strnig"},
+    {"minLength": -1, "type": "string"},
+]
+
+
+@pytest.mark.parametrize("schema", MALFORMED, ids=[json.dumps(s)[:30] for s in MALFORMED])
+def test_a_malformed_schema_is_refused_with_a_reason(engine: Engine, schema: object) -> None:
+    with pytest.raises(InvalidGrammar, match="schema or grammar cannot be used: .+"):
+        engine.grammars.matcher(json_schema_grammar(schema))  # type: ignore[arg-type]
+
+
+async def test_a_grammar_that_allows_nothing_fails_its_sequence_alone(
+    engine: Engine, model: LlamaModel
+) -> None:
+    # compiles, but no token can ever start it
+    loop = json_schema_grammar(
+        {"$ref": "#/$defs/loop", "$defs": {"loop": {"$ref": "#/$defs/loop"}}}
+    )
+    plain = GenerationRequest(model.tokenize("Hello"), max_tokens=8)
+    stuck, served = await asyncio.gather(
+        run(engine, model, loop), engine.submit(plain).collect(), return_exceptions=True
+    )
+    assert isinstance(stuck, InvalidGrammar), stuck
+    assert not isinstance(served, BaseException)
+    assert len(served[1].tokens) == 8

@@ -13,8 +13,9 @@ once (`generate.check`).
 
 tool_choice: "auto" prompts the model with the tools and parses what it writes (the
 family's own syntax); "none" renders no tools; "required" and a named function force a
-schema-valid call with a grammar (llguidance), written as a bare JSON call object. With
-`parallel_tool_calls = false` at most one call is kept.
+schema-valid call with a grammar (llguidance): in the family's own syntax where it
+writes a JSON call between two one-token markers (hermes), else as a bare JSON call
+object. With `parallel_tool_calls = false` at most one call is kept.
 
 Thinking with a grammar: the reasoning is generated first, free, up to "</think>" (or
 `reasoning_budget` tokens, after which the block is closed for the model); then the answer

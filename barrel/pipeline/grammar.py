@@ -72,7 +72,8 @@ def closed(schema: Any, close: bool = True) -> Any:
     if "properties" in out:
         out["additionalProperties"] = False
     elif isinstance(out.get("allOf"), list):
-        names = [n for m in out["allOf"] if isinstance(m, dict) for n in m.get("properties", {})]
+        maps = [m["properties"] for m in out["allOf"] if isinstance(m, dict)]
+        names = [n for props in maps if isinstance(props, dict) for n in props]
         if names:  # the union of the members' properties, closed
             out["properties"] = {n: True for n in names}
             out["additionalProperties"] = False
