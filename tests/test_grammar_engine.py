@@ -133,7 +133,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("schema", MALFORMED, ids=[json.dumps(s)[:30] for s in MALFORMED])
 def test_a_malformed_schema_is_refused_with_a_reason(engine: Engine, schema: object) -> None:
-    with pytest.raises(InvalidGrammar, match="schema or grammar cannot be used: .+"):
+    with pytest.raises(InvalidGrammar, match=r"schema or grammar cannot be used: .+"):
         engine.grammars.matcher(json_schema_grammar(schema))  # type: ignore[arg-type]
 
 
