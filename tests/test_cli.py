@@ -161,8 +161,9 @@ def test_run_one_shot_piped_ps_embed_stop_prune_version(daemon: Daemon) -> None:
     rates = dict(line.split(":", 1) for line in r.stderr.strip().splitlines())
     assert float(rates["eval rate"].split()[0]) > 1  # tokens/s, as Ollama's --verbose
     assert int(rates["prompt eval count"].split()[0]) > 10
-    # sampled at the default temperature: the question with the surest answer
-    piped = barrel(daemon, "run", "qwen", stdin="Which city is the capital of France?")
+    # sampled at the default temperature: a request with the surest answer (a question
+    # about France's capital was once answered with a refusal)
+    piped = barrel(daemon, "run", "qwen", stdin="Repeat exactly: Paris is the capital of France.")
     assert "Paris" in piped.stdout
     ps = barrel(daemon, "ps").stdout
     assert "qwen" in ps

@@ -12,6 +12,8 @@ from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
+from barrel.pipeline.grammar import format_grammar
+from barrel.pipeline.request import Format
 
 pytestmark = pytest.mark.real_model
 
@@ -209,7 +211,8 @@ async def test_kept_logits_go_through_the_whole_sampler_chain(
     assert again.tokens == cold.tokens
     assert deltas[0].logprobs == cold_deltas[0].logprobs
     assert len(deltas[0].logprobs[0].top) == 3
-    maybe = SamplingParams(temperature=0, grammar='root ::= "MAYBE" [.!]')
+    gbnf = Format("grammar", text='root ::= "MAYBE" [.!]')
+    maybe = SamplingParams(temperature=0, grammar=format_grammar(gbnf))
     deltas, done = await engine.submit(GenerationRequest(prompt, maybe, 8)).collect()
     assert done.usage.prompt_computed == 0
     assert "".join(d.text for d in deltas) in ("MAYBE.", "MAYBE!")
