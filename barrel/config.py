@@ -191,6 +191,32 @@ class ModelsConfig(_Section, frozen=True):
     projectors: dict[str, str] = msgspec.field(default_factory=dict)
 
 
+class McpServerConfig(_Section, frozen=True):
+    """One MCP tool server: a command to run (stdio) or a streamable-HTTP URL."""
+
+    command: list[str] = msgspec.field(default_factory=list)  # argv; stdio
+    env: dict[str, str] = msgspec.field(default_factory=dict)  # over the daemon's
+    cwd: str = ""
+    url: str = ""  # streamable HTTP
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+    # header -> environment variable holding its value (a token kept out of the file)
+    headers_env: dict[str, str] = msgspec.field(default_factory=dict)
+    tools: list[str] = msgspec.field(default_factory=list)  # offered; empty: all it lists
+    # With API keys: key -> the tools it may call ("*": all); empty: every key, all tools.
+    keys: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    anonymous: bool = False  # usable by callers without an API key (a daemon without keys)
+    timeout_s: float = 30.0  # one call, queueing for the server included
+    max_concurrent: int = 4  # calls in flight on this server
+    max_result_bytes: int = 64 * 1024  # a result's text the model sees (cut, with a note)
+
+
+class McpConfig(_Section, frozen=True):
+    servers: dict[str, McpServerConfig] = msgspec.field(default_factory=dict)
+    max_rounds: int = 8  # server-tool rounds in one turn; then the turn ends as it stands
+    connect_timeout_s: float = 30.0  # start, initialize and list tools
+    max_backoff_s: float = 30.0  # between restarts of a server that keeps ending
+
+
 class Config(_Section, frozen=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
@@ -200,6 +226,7 @@ class Config(_Section, frozen=True):
     supervision: SupervisionConfig = msgspec.field(default_factory=SupervisionConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     registry: RegistryConfig = msgspec.field(default_factory=RegistryConfig)
+    mcp: McpConfig = msgspec.field(default_factory=McpConfig)
 
     @property
     def cache_root(self) -> Path:
@@ -338,8 +365,33 @@ def validate(config: Config, source: str) -> None:
         limits: SupervisorLimits = getattr(config.supervision, name)
         if limits.intensity < 0 or limits.period_s <= 0:
             errors.append(f"supervision.{name}: intensity >= 0 and period_s > 0 required")
+    errors += _mcp_errors(config.mcp)
     if errors:
         raise ConfigError(f"{source}: " + "; ".join(errors))
+
+
+_SERVER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _mcp_errors(mcp: McpConfig) -> list[str]:
+    errors: list[str] = []
+    if not 1 <= mcp.max_rounds <= 64:
+        errors.append("mcp.max_rounds: must be 1 to 64")
+    if mcp.connect_timeout_s <= 0 or mcp.max_backoff_s <= 0:
+        errors.append("mcp: connect_timeout_s and max_backoff_s must be positive")
+    for name, server in mcp.servers.items():
+        where = f"mcp.servers.{name}"
+        if not _SERVER_NAME.match(name):
+            errors.append(f"{where}: a name is 1-64 letters, digits, '_' or '-'")
+        if bool(server.command) == bool(server.url):
+            errors.append(f"{where}: set either command (stdio) or url (streamable HTTP)")
+        if server.url and not server.url.startswith(("http://", "https://")):
+            errors.append(f"{where}.url: must be an http(s) URL")
+        if server.timeout_s <= 0 or server.max_concurrent < 1 or server.max_result_bytes < 256:
+            errors.append(
+                f"{where}: timeout_s > 0, max_concurrent >= 1, max_result_bytes >= 256 required"
+            )
+    return errors
 
 
 def keep_alive_seconds(value: Any, default: str) -> float:

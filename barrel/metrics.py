@@ -77,12 +77,29 @@ class Metrics:
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
         )
+        self.tool_calls = Counter(
+            "barrel_tool_calls",
+            "Calls of tool-server tools, by outcome (ok, error, timeout, failed, refused)",
+            ["server", "tool", "outcome"],
+            registry=self.registry,
+        )
+        self.tool_call_duration = Histogram(
+            "barrel_tool_call_duration_seconds",
+            "Time from a tool-server call to its result",
+            ["server", "tool"],
+            registry=self.registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
         self.output_parse = Histogram(
             "barrel_pipeline_output_parse_seconds",
             "Tool-call and reasoning parsing time per response",
             registry=self.registry,
             buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
         )
+
+    def tool_call(self, server: str, tool: str, outcome: str, seconds: float) -> None:
+        self.tool_calls.labels(server, tool, outcome).inc()
+        self.tool_call_duration.labels(server, tool).observe(seconds)
 
     def watch_residency(self, resident: Callable[[], dict[str, int]]) -> None:
         """barrel_inference_resident_bytes{model}, computed with mincore on each scrape."""

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from barrel.actors.child import Exit
+from barrel.actors.mcp import ToolDirectory
 from barrel.actors.models import Models
 from barrel.actors.registry import Registry
 from barrel.actors.runtime import Runtime
@@ -63,11 +64,12 @@ def build_services(
     budget = config.models.kv_states_bytes
     disk = KVDisk(config.kv_states_dir, budget, metrics.kv_restored) if budget > 0 else None
     env = SupervisorEnv(Registry(), timers.clock, metrics)
+    tools = ToolDirectory()
     build = tree or (
-        lambda env: daemon_tree(config, env, models, store, timers, tracker, metrics, disk)
+        lambda env: daemon_tree(config, env, models, store, timers, tracker, metrics, disk, tools)
     )
     runtime = Runtime(build, env, timers)
-    facade = Models(config, runtime, store, metrics, tracker, disk)
+    facade = Models(config, runtime, store, metrics, tracker, disk, tools)
     return Services(config, store, timers, metrics, tracker, runtime, facade, disk)
 
 

@@ -15,6 +15,7 @@ Runs on the event loop; every actor is reached through `barrel.actors.bridge`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -25,8 +26,10 @@ from barrel.actors import bridge
 from barrel.actors.child import Child
 from barrel.actors.lifecycle import Lease, Lifecycle, LoadedModel
 from barrel.actors.manage import ModelManager
+from barrel.actors.mcp import ToolDirectory
 from barrel.actors.model_session import ModelCaches, ModelSession
 from barrel.actors.runtime import Runtime
+from barrel.actors.tools import ToolServers
 from barrel.config import Config, keep_alive_seconds
 from barrel.engine.errors import EngineStopped
 from barrel.engine.kvdisk import KVDisk
@@ -60,8 +63,11 @@ class Models:
         metrics: Metrics,
         residency: ResidencyTracker,
         kv_disk: KVDisk | None = None,
+        tools: ToolDirectory | None = None,
     ) -> None:
         self.config = config
+        # tool servers: what a request may use, and the calls (barrel.actors.tools)
+        self.tools = ToolServers(config, tools or ToolDirectory(), metrics)
         self.kv_disk = kv_disk
         self.runtime = runtime
         self.lifecycle = Lifecycle(config, runtime.registry, store)
@@ -187,6 +193,7 @@ class Models:
             "pulls": await self.manage.pulls(),
             "restarts": dict(metrics.restart_counts),
             "kv_states": await self._kv_states(),
+            "tool_servers": [dataclasses.asdict(s) for s in self.tools.states()],
         }
 
     async def _kv_states(self) -> list[dict[str, Any]]:

@@ -10,8 +10,10 @@
     ├── models_sup   supervisor, simple_one_for_one
     │   └── modelsup:<model>   supervisor (one_for_one), temporary: one per loaded model
     │       └── model:<model>  EngineWorker, permanent: owns the model's engine thread
-    └── pull_sup     supervisor, simple_one_for_one
-        └── pull:<model>   PullCoordinator, temporary: one per model being pulled
+    ├── pull_sup     supervisor, simple_one_for_one
+    │   └── pull:<model>   PullCoordinator, temporary: one per model being pulled
+    └── mcp_sup      supervisor (one_for_one), when [mcp.servers] lists any
+        └── mcp:<name>     McpServer, permanent: a tool server's connection
 
 guides/supervision.md draws the tree.
 """
@@ -31,6 +33,7 @@ from barrel.actors.child import Link
 from barrel.actors.evictor import Evictor
 from barrel.actors.keepalive import Keepalive
 from barrel.actors.loader import Loader, start_model_subtree
+from barrel.actors.mcp import McpServer, ToolDirectory
 from barrel.actors.pulls import PullCoordinator
 from barrel.actors.store_actor import StoreActor
 from barrel.actors.supervisor import (
@@ -55,6 +58,7 @@ STORE = "store"
 PULL_SUP = "pull_sup"
 ADMISSION, KEEPALIVE, LOADER, MODELS_SUP = "admission", "keepalive", "loader", "models_sup"
 EVICTOR = "evictor"
+MCP_SUP = "mcp_sup"
 
 
 def _flags(strategy: Strategy, limits: SupervisorLimits) -> SupFlags:
@@ -78,6 +82,7 @@ def daemon_tree(
     tracker: ResidencyTracker | None = None,
     metrics: Any = None,
     kv_disk: KVDisk | None = None,
+    tools: ToolDirectory | None = None,
 ) -> ChildSpec:
     sup = config.supervision
     keep_alive = parse_duration(config.models.default_keep_alive)
@@ -155,9 +160,35 @@ def daemon_tree(
                 shutdown=120.0,
             ),
             supervisor_spec(PULL_SUP, _flags(Strategy.SIMPLE_ONE_FOR_ONE, sup.pulls), [pull], env),
+            *_tool_servers(config, env, tools),
         ],
         env,
     )
+
+
+def _tool_servers(
+    config: Config, env: SupervisorEnv, tools: ToolDirectory | None
+) -> list[ChildSpec]:
+    """The tool servers' subtree: a child per configured server, restarted on its own
+    (a server's connection restarts itself with backoff; a restart here is for a bug)."""
+    if tools is None or not config.mcp.servers:
+        return []
+    children = [
+        ChildSpec(
+            f"mcp:{name}",
+            partial(
+                McpServer.start_child,
+                name=name,
+                config=server,
+                limits=config.mcp,
+                directory=tools,
+            ),
+            shutdown=15.0,
+        )
+        for name, server in config.mcp.servers.items()
+    ]
+    flags = SupFlags(Strategy.ONE_FOR_ONE, intensity=10, period=60.0)
+    return [supervisor_spec(MCP_SUP, flags, children, env, shutdown=30.0)]
 
 
 def _start_pull(

@@ -87,6 +87,21 @@ def _kv_states(status: dict[str, Any]) -> RenderableType:
     return Text(f"Saved conversations: {shown}")
 
 
+def _tool_servers(status: dict[str, Any]) -> RenderableType:
+    """The configured tool servers: their state, tools and restarts."""
+    servers = status.get("tool_servers", [])
+    if not servers:
+        return Text("Tool servers: none configured", style="dim")
+    shown = ", ".join(
+        f"{s['name']} {s['state']} ({len(s['tools'])} tools"
+        + (f", {s['restarts']} restarts" if s["restarts"] else "")
+        + (f", {s['in_flight']} calls" if s["in_flight"] else "")
+        + ")"
+        for s in servers
+    )
+    return Text(f"Tool servers: {shown}")
+
+
 def render_status(status: dict[str, Any], width: int | None = None) -> RenderableType:
     """One frame of `barrel top`; a `width` under NARROW drops the less urgent columns."""
     restarts = status.get("restarts", {})
@@ -97,7 +112,8 @@ def render_status(status: dict[str, Any], width: int | None = None) -> Renderabl
         style="bold",
     )
     models = _models(status, width)
-    return Group(head, models, _kv_states(status), _pulls(status), _recent(status))
+    parts = (_kv_states(status), _tool_servers(status), _pulls(status), _recent(status))
+    return Group(head, models, *parts)
 
 
 async def top(client: BarrelClient, console: Console, *, once: bool = False) -> None:

@@ -14,7 +14,6 @@ encoder's error frame and the stream ends.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -23,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 from aiohttp import web
 
+from barrel.actors.tools import key_scope
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import STAMP, Begin, Comment, Data, Encoder, EndMarker, Frame, Stamp
 from barrel.http.keys import API_KEY, CONFIG, MODELS
@@ -118,7 +118,7 @@ def scope_of(request: web.Request) -> str:
     """The request's KV scope: a hash of the API key it authenticated with ("" when the
     daemon has no keys), so no key reuses, or learns about, another's cached prompts."""
     key = request.get(API_KEY)
-    return hashlib.sha256(key).hexdigest()[:16] if key else ""
+    return key_scope(key) if key else ""
 
 
 # Headers that name a conversation, Barrel's own first, then the ones routers pin a
@@ -166,6 +166,8 @@ async def serve(
     limits = request.app[CONFIG].limits
     generate.check(req, limits)
     req = msgspec.structs.replace(req, scope=scope_of(request))
+    tools = request.app[MODELS].tools
+    toolbox = tools.grant(req.servers, req.scope)
     req = await with_images(request, req)
     started = stamp.perf()
 
@@ -186,7 +188,7 @@ async def serve(
             sequences=req.runs,
         ) as session:
             load_s = stamp.perf() - started
-            gen = await generate.start(session, req, limits)
+            gen = await generate.start(session, req, limits, toolbox, tools.max_rounds)
             begin = Begin(gen.prompt_tokens, started, load_s, tuple(gen.prompt), gen.echo)
             frames = encoder.begin(begin)
             if transport is not None and frames:

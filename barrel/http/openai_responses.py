@@ -42,7 +42,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     def keep() -> None:
         if body.store:
-            store.put(encoder.response, (*req.messages, encoder.as_message()))
+            store.put(encoder.response, (*req.messages, *encoder.as_messages()))
 
     transport = SseTransport(request) if req.stream else None
     return await serve(request, req, encoder, transport, finished=keep)

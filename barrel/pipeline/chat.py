@@ -110,6 +110,9 @@ class Prepared:
     media: tuple[Media, ...] = ()
     # the template's end of turn and next user header (GenerationRequest.next_turn)
     next_turn: tuple[int, ...] = ()
+    # the grammar writes calls in the family's syntax and nothing else: the blanks
+    # between them are not text
+    calls_only: bool = False
 
 
 def template_tools(tools: tuple[Tool, ...]) -> list[dict[str, Any]]:
@@ -148,7 +151,7 @@ def _forced_schema(req: ChatRequest) -> dict[str, Any] | None:
 
 
 def _call_grammar(
-    schema: dict[str, Any], fam: Family | None, tokenize_as: Tokenize | None
+    schema: dict[str, Any], fam: Family | None, tokenize_as: Tokenize | None, calls: int
 ) -> str | None:
     """A forced call's grammar in the family's own syntax, where the family writes a JSON
     call between two markers that are one token each (hermes); else None (a bare JSON
@@ -159,7 +162,7 @@ def _call_grammar(
     end = tokenize_as(fam.end, False, True)
     if len(start) != 1 or len(end) != 1:
         return None
-    return call_grammar(schema, start[0], end[0])
+    return call_grammar(schema, start[0], end[0], calls)
 
 
 def _open_final(prompt_text: str, messages: list[dict[str, Any]]) -> str:
@@ -217,10 +220,17 @@ def prepare(
     render_s = time.perf_counter() - start
     sampling = req.sampling
     # Built now even when thinking comes first: a bad schema is a 400 before any work.
-    bare_call = False
+    bare_call = calls_only = False
     if forced is not None:
-        grammar = _call_grammar(forced, template_family if tools else None, tokenize_as)
+        # "required" with parallel calls: up to one call per tool (a small model left
+        # unbounded repeats the same call until max_tokens)
+        calls = (
+            len(req.tools) if req.parallel_tool_calls and req.tool_choice.mode == "required" else 1
+        )
+        family_of = template_family if tools else None
+        grammar = _call_grammar(forced, family_of, tokenize_as, calls)
         bare_call = grammar is None
+        calls_only = not bare_call
         if grammar is None:
             grammar = json_schema_grammar(forced)
     else:
@@ -255,6 +265,7 @@ def prepare(
         sampling=sampling,
         family=fam,
         forced_call=bare_call,
+        calls_only=calls_only,
         grammar=grammar,
         tool_names=tuple(t.name for t in req.tools) if tools else (),
         render_s=render_s,
@@ -503,7 +514,7 @@ async def run(
             start = time.perf_counter()
             parsed_events = parser.feed(event.text)
             parse_s += time.perf_counter() - start
-            for out in _events(parsed_events, req, calls, pending):
+            for out in _events(parsed_events, req, calls, pending, prep.calls_only):
                 calls += isinstance(out, ToolCallEvent)
                 yield out
     start = time.perf_counter()
@@ -511,7 +522,7 @@ async def run(
     parse_s += time.perf_counter() - start
     if timings is not None:
         timings(prep.render_s, parse_s)
-    for out in _events(tail, req, calls, pending):
+    for out in _events(tail, req, calls, pending, prep.calls_only):
         calls += isinstance(out, ToolCallEvent)
         yield out
     assert done is not None
@@ -542,12 +553,18 @@ async def run(
 
 
 def _events(
-    parsed_events: list[ParseEvent], req: ChatRequest, calls: int, pending: list[TokenLogprob]
+    parsed_events: list[ParseEvent],
+    req: ChatRequest,
+    calls: int,
+    pending: list[TokenLogprob],
+    calls_only: bool = False,
 ) -> Iterator[ChatEvent]:
     """The parser's events as the run yields them: logprobs waiting for text attach to
     the next text delta (and `pending` empties); with `parallel_tool_calls` off, calls
-    after the first are dropped."""
+    after the first are dropped; `calls_only`: blank text between calls is dropped."""
     for out in parsed_events:
+        if calls_only and isinstance(out, TextDelta) and not out.text.strip():
+            continue
         if isinstance(out, ToolCallStart | ToolArgsDelta) and calls and not req.parallel_tool_calls:
             continue
         if isinstance(out, ToolCallEvent):

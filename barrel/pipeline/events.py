@@ -11,6 +11,7 @@ barrel.pipeline.complete), so no engine type reaches HTTP.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,36 @@ class ToolCallEvent:
 
 
 @dataclass(frozen=True)
+class ServerCall:
+    """The model called a tool of a configured tool server; Barrel runs it
+    (barrel.pipeline.servertools) and the turn goes on. `arguments`: JSON text."""
+
+    id: str
+    server: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ServerResult:
+    """What a server tool answered (or why it did not), as the model sees it."""
+
+    id: str
+    server: str
+    name: str
+    output: str
+    error: bool = False
+
+
+@dataclass(frozen=True)
+class ServerTools:
+    """The tools a configured server offers this turn (before its first call)."""
+
+    server: str
+    tools: tuple[tuple[str, str, dict[str, Any]], ...]  # name, description, input schema
+
+
+@dataclass(frozen=True)
 class Finished:
     reason: str  # stop | length | tool_calls | cancelled
     usage: Usage
@@ -97,4 +128,14 @@ class Finished:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
-ChatEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolArgsDelta | ToolCallEvent | Finished
+ChatEvent = (
+    TextDelta
+    | ReasoningDelta
+    | ToolCallStart
+    | ToolArgsDelta
+    | ToolCallEvent
+    | ServerTools
+    | ServerCall
+    | ServerResult
+    | Finished
+)

@@ -32,11 +32,12 @@ from barrel.engine.engine import Engine
 from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
 from barrel.errors import InvalidRequest
 from barrel.pipeline import chat as chat_turn
-from barrel.pipeline import complete, images
+from barrel.pipeline import complete, images, servertools
 from barrel.pipeline.chat import ChatRequest, Prepared
 from barrel.pipeline.events import ChatEvent
 from barrel.pipeline.grammar import check_size, format_grammar
-from barrel.pipeline.request import Dialect, GenerateRequest, Message, TextPart
+from barrel.pipeline.request import Dialect, GenerateRequest, Message, TextPart, Tool
+from barrel.pipeline.servertools import Toolbox
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.templates import ChatTemplate
 from barrel.pipeline.toolcalls import detect_family
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 # reasoning tokens allowed before the thinking block is closed for the model
 EFFORT_BUDGETS = {"minimal": 64, "low": 256, "medium": 512, "high": 1024, "xhigh": 2048}
 DEFAULT_BUDGET = 512
+MAX_SERVERS = 16  # tool servers one request names
 # A template for prompts given whole (raw, fill-in-the-middle): the text as it is.
 VERBATIM = ChatTemplate("{{ messages[-1].content }}")
 
@@ -134,7 +136,8 @@ def check(req: GenerateRequest, limits: LimitsConfig) -> None:
             tool.parameters, where=f"the tool {tool.name!r}", max_bytes=limits.max_schema_bytes
         )
     choice = req.tool_choice
-    if choice.mode == "function" and choice.name not in {t.name for t in req.tools}:
+    named = {t.name for t in req.tools}
+    if choice.mode == "function" and choice.name not in named and not req.servers:
         raise InvalidRequest(
             f"tool_choice names {choice.name!r}, which is not among the tools",
             param="tool_choice",
@@ -142,6 +145,10 @@ def check(req: GenerateRequest, limits: LimitsConfig) -> None:
     forced = req.tools and choice.mode in ("required", "function")
     if forced and req.format.kind != "text":
         raise InvalidRequest("a forced tool call and a response_format cannot be combined")
+    if req.servers and req.runs > 1:
+        raise InvalidRequest("a turn with tool servers has one answer: n must be 1", param="n")
+    if len(req.servers) > MAX_SERVERS:
+        raise InvalidRequest(f"at most {MAX_SERVERS} tool servers a request")
 
 
 def template_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
@@ -239,13 +246,27 @@ def _raw_prompt(session: ModelAccess, req: GenerateRequest) -> list[int] | None:
 
 
 async def start(
-    session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None = None
+    session: ModelAccess,
+    req: GenerateRequest,
+    limits: LimitsConfig | None = None,
+    toolbox: Toolbox | None = None,
+    max_rounds: int = 8,
 ) -> Generation:
-    """Everything between the lease and the first token (see the module's docstring)."""
+    """Everything between the lease and the first token (see the module's docstring).
+    `toolbox`: the configured servers' tools the request may use; their calls are run
+    and the turn goes on, at most `max_rounds` times (barrel.pipeline.servertools)."""
     if req.completion is not None:
         return await _completion(session, req, limits)
-    chat, prep = await _prepared(session, req, limits)
+    chat, prep = await _prepared(session, req, limits, toolbox)
     engine, timings = session.engine, session.timings
+    if toolbox is not None and toolbox.tools:
+        template = await session.template()
+
+        async def render(turn: ChatRequest) -> Prepared:
+            return await _render(session, turn, template)
+
+        turn = servertools.run(engine, chat, prep, toolbox, render, max_rounds, timings)
+        return Generation([turn], prep.prompt)
     runs = [chat_turn.run(engine, chat, prep, timings)]
     alone = dataclasses.replace(chat, session=None)
     runs += [chat_turn.run(engine, alone, prep, timings) for _ in range(req.n - 1)]
@@ -332,9 +353,21 @@ async def _compile(session: ModelAccess, grammar: str | None, limits: LimitsConf
 
 
 async def _prepared(
-    session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None
+    session: ModelAccess,
+    req: GenerateRequest,
+    limits: LimitsConfig | None,
+    toolbox: Toolbox | None = None,
 ) -> tuple[ChatRequest, Prepared]:
     messages, before = with_model_messages(session, template_messages(req.messages))
+    tools = req.tools
+    if toolbox is not None and toolbox.tools:
+        tools = with_server_tools(req.tools, toolbox)
+    choice = req.tool_choice
+    if choice.mode == "function" and choice.name not in {t.name for t in tools}:
+        raise InvalidRequest(
+            f"tool_choice names {choice.name!r}, which is not among the tools",
+            param="tool_choice",
+        )
     sampling, max_tokens, stop = _sampling(session, req)
     verbatim = _raw_prompt(session, req)
     template = VERBATIM if verbatim is not None else await session.template()
@@ -342,7 +375,7 @@ async def _prepared(
     budget = req.reasoning_budget or EFFORT_BUDGETS.get(req.reasoning_effort or "", DEFAULT_BUDGET)
     chat = ChatRequest(
         messages,
-        tools=req.tools,
+        tools=tools,
         tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
         format=req.format,
@@ -372,6 +405,22 @@ async def _prepared(
     if req.dialect is Dialect.OLLAMA:
         prep = _fit(prep, session.n_ctx, max_tokens)
     return chat, prep
+
+
+def with_server_tools(tools: tuple[Tool, ...], toolbox: Toolbox) -> tuple[Tool, ...]:
+    """The client's tools, then the servers': one name, one tool (a 400 otherwise)."""
+    names = {t.name for t in tools}
+    out = list(tools)
+    for tool in toolbox.tools:
+        if tool.name in names:
+            raise InvalidRequest(
+                f"the tool name {tool.name!r} is offered twice (by the request or another "
+                f"server, and by the tool server {tool.server!r})",
+                param="tools",
+            )
+        names.add(tool.name)
+        out.append(tool.as_tool())
+    return tuple(out)
 
 
 # Ollama keeps the first tokens of a prompt that does not fit (its num_keep default).

@@ -88,12 +88,18 @@ def check_size(spec: Any, *, max_bytes: int, where: str) -> None:
         raise InvalidRequest(f"{where}: the schema has {size} bytes; at most {max_bytes}")
 
 
-def call_grammar(schema: dict[str, Any], start: int, end: int) -> str:
+def call_grammar(schema: dict[str, Any], start: int, end: int, calls: int = 1) -> str:
     """A forced tool call in its family's own syntax: the start marker's token, a new
     line, the JSON call object matching `schema`, a new line, the end marker's token
-    (hermes: `<tool_call>` ... `</tool_call>`); the grammar, and the answer, end there."""
+    (hermes: `<tool_call>` ... `</tool_call>`); the grammar, and the answer, end there.
+    `calls` > 1: up to that many calls, a new line apart, as the family writes several."""
     call = {**closed(schema), "x-guidance": _JSON_OPTIONS}
-    lark = f'start: <[{start}]> "\\n" call "\\n" <[{end}]>\ncall: %json {json.dumps(call)}\n'
+    more = f' ("\\n" one){{0,{calls - 1}}}' if calls > 1 else ""
+    lark = (
+        f"start: one{more}\n"
+        f'one: <[{start}]> "\\n" call "\\n" <[{end}]>\n'
+        f"call: %json {json.dumps(call)}\n"
+    )
     return str(LLMatcher.grammar_from_lark(lark))
 
 

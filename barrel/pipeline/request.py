@@ -101,6 +101,16 @@ class Format(msgspec.Struct, frozen=True):
         return self.kind in ("json_object", "json_schema")
 
 
+class ServerUse(msgspec.Struct, frozen=True):
+    """A configured tool server the request lets the model use (barrel.pipeline.
+    servertools): by the name the configuration gives it; `url`, when the dialect sends
+    one, must be the configured one; `tools` narrows what it offers (None: all)."""
+
+    name: str
+    url: str = ""
+    tools: tuple[str, ...] | None = None
+
+
 class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The sampling fields a request set (None: not set; the model's and the dialect's
     defaults fill them in). Names are llama.cpp's / Ollama's."""
@@ -156,6 +166,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = True
+    # configured tool servers whose tools the model may call; Barrel runs those calls
+    servers: tuple[ServerUse, ...] = ()
     format: Format = Format()
     options: Options = Options()
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)

@@ -99,10 +99,12 @@ def test_output_items_and_named_events_with_sequence_numbers() -> None:
     assert [item["type"] for item in full["output"]] == ["reasoning", "message", "function_call"]
     assert full["output"][2]["call_id"] == "call_abc"
     assert full["usage"]["input_tokens_details"]["cached_tokens"] == 30
-    assert enc.as_message() == Message(
-        role="assistant",
-        parts=(TextPart("One moment."),),
-        tool_calls=(ToolCall("call_abc", "get_weather", {"city": "Paris"}),),
+    assert enc.as_messages() == (
+        Message(
+            role="assistant",
+            parts=(TextPart("One moment."),),
+            tool_calls=(ToolCall("call_abc", "get_weather", {"city": "Paris"}),),
+        ),
     )
     error = wire(enc.error(InvalidRequest("bad", param="x")))[0]
     assert error[0] == "error"

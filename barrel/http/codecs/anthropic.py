@@ -22,11 +22,14 @@ import msgspec
 
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp, constraints
+from barrel.http.codecs.servers import anthropic_servers, server_round
 from barrel.http.errors import error_body
 from barrel.pipeline.events import (
     ChatEvent,
     Finished,
     ReasoningDelta,
+    ServerCall,
+    ServerResult,
     TextDelta,
     ToolArgsDelta,
     ToolCallEvent,
@@ -68,6 +71,7 @@ class MessagesBody(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its `format`: structured output
     output_format: dict[str, Any] | None = None  # the beta's name for that format
+    mcp_servers: list[Any] | None = None  # the MCP connector: configured servers only
 
 
 # -- request: Anthropic blocks -> neutral messages ---------------------------------------
@@ -138,17 +142,32 @@ def _user_turn(content: Any) -> list[Message]:
     return out
 
 
-def _assistant_turn(content: Any) -> Message:
+def _assistant_turn(content: Any) -> list[Message]:
+    """One assistant turn; where it holds rounds of server calls (`mcp_tool_use` and
+    `mcp_tool_result` blocks), each round becomes the assistant's calls and their results,
+    as the model saw them."""
     if isinstance(content, str):
-        return text("assistant", content)
+        return [text("assistant", content)]
     if not isinstance(content, list):
         raise InvalidRequest("message content must be a string or a list of content blocks")
     said: list[str] = []
     calls: list[ToolCall] = []
     reasoning = ""
+    out: list[Message] = []
+    server: list[ToolCall] = []
+    results: dict[str, str] = {}
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
+        if kind not in ("mcp_tool_use", "mcp_tool_result") and server:
+            out += _round(said, server, results)
+            said, server, results = [], [], {}
+        if kind == "mcp_tool_use":
+            cid, name = str(block.get("id", "")), str(block.get("name", ""))
+            server.append(ToolCall(cid, name, block.get("input") or {}))
+        elif kind == "mcp_tool_result":
+            result = _text_of(block.get("content") or "", "mcp_tool_result.content")
+            results[str(block.get("tool_use_id", ""))] = result
+        elif kind == "text":
             said.append(str(block.get("text", "")))
         elif kind == "tool_use":
             calls.append(
@@ -162,13 +181,27 @@ def _assistant_turn(content: Any) -> Message:
             continue  # opaque by definition: nothing a local model can read
         else:
             raise InvalidRequest(f"unsupported content block type {kind!r} in an assistant message")
+    if server:
+        out += _round(said, server, results)
+        said = []
     joined = "".join(said)
-    return Message(
-        role="assistant",
-        parts=(TextPart(joined),) if joined else (),
-        tool_calls=tuple(calls),
-        reasoning=reasoning,
-    )
+    if joined or calls or reasoning or not out:
+        out.append(
+            Message(
+                role="assistant",
+                parts=(TextPart(joined),) if joined else (),
+                tool_calls=tuple(calls),
+                reasoning=reasoning,
+            )
+        )
+    return out
+
+
+def _round(said: list[str], server: list[ToolCall], results: dict[str, str]) -> list[Message]:
+    """A round of server calls (the text before it, the calls, their results)."""
+    first, *rest = server_round([(call, results.get(call.id, "")) for call in server])
+    joined = "".join(said)
+    return [msgspec.structs.replace(first, parts=(TextPart(joined),) if joined else ()), *rest]
 
 
 def _cached(content: Any) -> bool:
@@ -189,7 +222,7 @@ def to_messages(body: MessagesBody) -> tuple[tuple[Message, ...], int]:
         if role == "user":
             out += _user_turn(m.get("content", ""))
         elif role == "assistant":
-            out.append(_assistant_turn(m.get("content", "")))
+            out += _assistant_turn(m.get("content", ""))
         elif role == "system":  # not Anthropic's, but clients send it: treat as system text
             out.append(text("system", _text_of(m.get("content", ""), "system")))
         else:
@@ -202,6 +235,8 @@ def to_messages(body: MessagesBody) -> tuple[tuple[Message, ...], int]:
 def to_tools(tools: list[dict[str, Any]]) -> tuple[Tool, ...]:
     out = []
     for t in tools:
+        if isinstance(t, dict) and t.get("type") == "mcp_toolset":
+            continue  # the MCP connector's toolset: its server is in mcp_servers
         if not isinstance(t, dict) or t.get("type") not in (None, "custom") or "name" not in t:
             kind = t.get("type") if isinstance(t, dict) else None
             raise InvalidRequest(f"tools: only custom tools are supported, not {kind!r}")
@@ -283,6 +318,7 @@ def decode(
         tools=to_tools(body.tools),
         tool_choice=choice,
         parallel_tool_calls=parallel,
+        servers=anthropic_servers(body.mcp_servers),
         options=options,
         max_tokens=body.max_tokens,
         # the request's stop sequences come after the model's stored ones
@@ -331,6 +367,10 @@ def signature(thinking: str) -> str:
 
 
 PING = Data({"type": "ping"}, "ping")
+
+
+def _server_id(cid: str) -> str:
+    return cid if cid.startswith("mcptoolu_") else f"mcptoolu_{cid}"
 
 
 class MessagesEncoder:
@@ -422,6 +462,29 @@ class MessagesEncoder:
                 piece = {"type": "input_json_delta", "partial_json": event.arguments}
                 out.append(self._delta(piece))
             self.content[-1]["input"] = json.loads(event.arguments)
+            out += self._close()
+        elif isinstance(event, ServerCall):
+            out += self._open(
+                {
+                    "type": "mcp_tool_use",
+                    "id": _server_id(event.id),
+                    "name": event.name,
+                    "server_name": event.server,
+                    "input": {},
+                }
+            )
+            out.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
+            self.content[-1]["input"] = json.loads(event.arguments or "{}")
+            out += self._close()
+        elif isinstance(event, ServerResult):
+            out += self._open(
+                {
+                    "type": "mcp_tool_result",
+                    "tool_use_id": _server_id(event.id),
+                    "is_error": event.error,
+                    "content": [{"type": "text", "text": event.output}],
+                }
+            )
             out += self._close()
         elif isinstance(event, Finished):
             out += self._close()

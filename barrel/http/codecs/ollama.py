@@ -19,10 +19,13 @@ import msgspec
 from barrel.config import keep_alive_seconds
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp
+from barrel.http.codecs.servers import barrel_servers, call_record
 from barrel.pipeline.events import (
     ChatEvent,
     Finished,
     ReasoningDelta,
+    ServerCall,
+    ServerResult,
     TextDelta,
     TokenLogprob,
     ToolCallEvent,
@@ -60,6 +63,7 @@ class _Body(msgspec.Struct, kw_only=True):
 class ChatBody(_Body, kw_only=True):
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    mcp_servers: list[Any] | None = None  # Barrel's: configured tool servers to use
 
 
 class GenerateBody(_Body, kw_only=True):
@@ -296,7 +300,11 @@ def decode_chat(raw: bytes, conversation: str | None = None) -> tuple[GenerateRe
     """/api/chat; no messages means load (or, with keep_alive 0, unload) the model."""
     body: ChatBody = decode_body(raw, ChatBody)
     req = _common(
-        body, to_messages(body.messages), tools=_tools(body.tools), conversation=conversation
+        body,
+        to_messages(body.messages),
+        tools=_tools(body.tools),
+        servers=barrel_servers(body.mcp_servers),
+        conversation=conversation,
     )
     return req, body
 
@@ -356,6 +364,9 @@ class OllamaEncoder:
         self.text: list[str] = []
         self.thinking: list[str] = []
         self.calls: list[dict[str, Any]] = []
+        # tool-server calls Barrel ran, with their results (Barrel's `server_tool_calls`)
+        self.server_calls: dict[str, ServerCall] = {}
+        self.server_records: list[dict[str, Any]] = []
         self.lps: list[TokenLogprob] = []
         self.begun = Begin(0)
         self.finished: Finished | None = None
@@ -405,6 +416,14 @@ class OllamaEncoder:
             call = _call(event)
             self.calls.append(call)
             return [Data(self._chunk(calls=[call]))]
+        elif isinstance(event, ServerCall):
+            self.server_calls[event.id] = event
+        elif isinstance(event, ServerResult) and event.id in self.server_calls:
+            record = call_record(self.server_calls[event.id], event)
+            self.server_records.append(record)
+            chunk = self._chunk()  # only /api/chat names servers
+            chunk["message"]["server_tool_calls"] = [record]
+            return [Data(chunk)]
         elif isinstance(event, Finished):
             self.finished = event
             self.lps.extend(event.logprobs)
@@ -440,6 +459,8 @@ class OllamaEncoder:
 
     def full(self) -> dict[str, Any]:
         body = self._chunk("".join(self.text), "".join(self.thinking), self.calls)
+        if self.server_records and self.chat:
+            body["message"]["server_tool_calls"] = self.server_records
         return self._final(body, tuple(self.lps))
 
     def error(self, err: BarrelError) -> list[Frame]:

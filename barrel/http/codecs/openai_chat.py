@@ -37,10 +37,13 @@ from barrel.http.codecs.openai_common import (
     token_logprobs,
     usage_of,
 )
+from barrel.http.codecs.servers import barrel_servers, call_record
 from barrel.pipeline.events import (
     ChatEvent,
     Finished,
     ReasoningDelta,
+    ServerCall,
+    ServerResult,
     TextDelta,
     TokenLogprob,
     ToolArgsDelta,
@@ -76,6 +79,8 @@ class ChatBody(Knobs, kw_only=True):
     # vLLM's and llama-server's assistant prefill
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None  # default: not continue_final_message
+    # Barrel's: configured tool servers whose tools the model may call (run by Barrel)
+    mcp_servers: list[Any] | None = None
 
 
 # -- request -----------------------------------------------------------------------------
@@ -257,6 +262,7 @@ def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest
         tools=tools,
         tool_choice=tool_choice_of(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
+        servers=barrel_servers(body.mcp_servers),
         format=format_of(body),
         options=options_of(body),
         logit_bias=logit_bias_of(body),
@@ -301,6 +307,9 @@ class _Choice:
     calls: list[dict[str, Any]] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: Finished | None = None
+    # tool-server calls Barrel ran, with their results (Barrel's `server_tool_calls`)
+    server_calls: dict[str, ServerCall] = field(default_factory=dict)
+    server_records: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ChatEncoder:
@@ -358,6 +367,12 @@ class ChatEncoder:
             if not event.streamed:
                 out.append(self._chunk(index, {"tool_calls": [tool_call(event, len(c.calls))]}))
             c.calls.append(tool_call(event))
+        elif isinstance(event, ServerCall):
+            c.server_calls[event.id] = event
+        elif isinstance(event, ServerResult) and event.id in c.server_calls:
+            record = call_record(c.server_calls[event.id], event)
+            c.server_records.append(record)
+            out.append(self._chunk(index, {"server_tool_calls": [record]}))
         elif isinstance(event, Finished):
             c.finished = event
             c.logprobs.extend(event.logprobs)
@@ -393,6 +408,8 @@ class ChatEncoder:
                 message["reasoning_content"] = "".join(c.reasoning)
             if c.calls:
                 message["tool_calls"] = c.calls
+            if c.server_records:
+                message["server_tool_calls"] = c.server_records
             out["choices"].append(
                 {
                     "index": i,

@@ -33,10 +33,14 @@ from barrel.http.codecs.openai_common import (
     options_of,
     progress,
 )
+from barrel.http.codecs.servers import responses_server, server_round
 from barrel.pipeline.events import (
     ChatEvent,
     Finished,
     ReasoningDelta,
+    ServerCall,
+    ServerResult,
+    ServerTools,
     TextDelta,
     ToolArgsDelta,
     ToolCallEvent,
@@ -47,6 +51,7 @@ from barrel.pipeline.request import (
     Format,
     GenerateRequest,
     Message,
+    ServerUse,
     TextPart,
     Tool,
     ToolCall,
@@ -86,11 +91,15 @@ def _items(raw: Any) -> list[Message]:
     if not isinstance(raw, list) or not raw:
         raise InvalidRequest("input must be a string or a list of items", param="input")
     out: list[Message] = []
+    calls: list[tuple[ToolCall, str]] = []  # a round of server calls, with their results
     for i, item in enumerate(raw):
         param = f"input[{i}]"
         if not isinstance(item, dict):
             raise InvalidRequest("each input item must be an object", param=param)
         kind = item.get("type", "message")
+        if kind != "mcp_call" and calls:
+            out += server_round(calls)
+            calls = []
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -123,16 +132,37 @@ def _items(raw: Any) -> list[Message]:
                     tool_call_id=str(item.get("call_id", "")),
                 )
             )
-        elif kind == "reasoning":
-            continue  # the model's earlier thoughts: templates drop them from history
+        elif kind == "mcp_call":  # a server tool's call and its result, sent back
+            calls.append(_mcp_call(item, param))
+            continue
+        elif kind in ("reasoning", "mcp_list_tools"):
+            continue  # earlier thoughts, a server's tool list: not part of the prompt
         else:
             raise InvalidRequest(f"input items of type {kind!r} are not supported", param=param)
-    return out
+    return out + server_round(calls)
 
 
-def _tools(tools: list[dict[str, Any]]) -> tuple[Tool, ...]:
+def _mcp_call(item: dict[str, Any], param: str) -> tuple[ToolCall, str]:
+    if not isinstance(item.get("name"), str) or not item["name"]:
+        raise InvalidRequest("an mcp_call item needs a name", param=param)
+    arguments = arguments_of(item.get("arguments") or "{}", f"{param}.arguments")
+    output = item.get("output")
+    error = item.get("error")
+    if not isinstance(output, str):
+        output = json.dumps(error) if error is not None else ""
+    return ToolCall(str(item.get("id", "")), item["name"], arguments), output
+
+
+def _tools(tools: list[dict[str, Any]]) -> tuple[tuple[Tool, ...], tuple[ServerUse, ...]]:
+    """Function tools, and the configured tool servers `mcp` tools name."""
     out = []
+    servers: list[ServerUse] = []
     for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise InvalidRequest("each tool must be an object", param=f"tools[{i}]")
+        if tool.get("type") == "mcp":
+            servers.append(responses_server(tool, i))
+            continue
         if tool.get("type") != "function" or not tool.get("name"):
             raise InvalidRequest(
                 f"only function tools are supported, not {tool.get('type')!r}",
@@ -140,7 +170,9 @@ def _tools(tools: list[dict[str, Any]]) -> tuple[Tool, ...]:
             )
         params = tool.get("parameters") or {"type": "object"}
         out.append(Tool(str(tool["name"]), str(tool.get("description") or ""), params))
-    return tuple(out)
+    if len({u.name for u in servers}) != len(servers):
+        raise InvalidRequest("a tool server is named twice", param="tools")
+    return tuple(out), tuple(servers)
 
 
 def _format(text_field: dict[str, Any] | None) -> Format:
@@ -191,12 +223,13 @@ def decode(
     if body.instructions:  # instructions are not carried over from the previous response
         messages = [m for m in messages if m.role != "system"]
         messages.insert(0, text("system", body.instructions))
-    tools = _tools(body.tools)
+    tools, servers = _tools(body.tools)
     return GenerateRequest(
         model=body.model,
         dialect=Dialect.OPENAI,
         messages=tuple(messages),
         tools=tools,
+        servers=servers,
         tool_choice=tool_choice_of(body.tool_choice, nested=False),
         parallel_tool_calls=body.parallel_tool_calls,
         format=constraints.one_of(
@@ -236,6 +269,7 @@ class ResponsesEncoder:
         self.seq = 0
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
+        self.calls: dict[str, dict[str, Any]] = {}  # server calls running, by call id
         self.finished = False
         self.response: dict[str, Any] = {
             "id": stamp.ids("resp_"),
@@ -403,8 +437,90 @@ class ResponsesEncoder:
                 )
             )
             out += self._close()
+        elif isinstance(event, ServerTools | ServerCall | ServerResult):
+            out += self._server(event)
         elif isinstance(event, Finished):
             out += self._finish(event)
+        return out
+
+    def _server(self, event: ServerTools | ServerCall | ServerResult) -> list[Frame]:
+        """A server's tool list, a server call as it starts and as it ends: items of
+        their own (`mcp_list_tools`, `mcp_call`), with the events OpenAI streams."""
+        out = self._close()
+        if isinstance(event, ServerTools):
+            item: dict[str, Any] = {
+                "type": "mcp_list_tools",
+                "id": self.stamp.ids("mcpl_"),
+                "server_label": event.server,
+                "tools": [
+                    {"name": n, "description": d, "input_schema": s, "annotations": None}
+                    for n, d, s in event.tools
+                ],
+                "error": None,
+            }
+            self.items.append(item)
+            where = self._where(item)
+            added = {**item, "tools": []}
+            out.append(
+                self._event(
+                    "response.output_item.added", output_index=where["output_index"], item=added
+                )
+            )
+            out.append(self._event("response.mcp_list_tools.in_progress", **where))
+            out.append(self._event("response.mcp_list_tools.completed", **where))
+            out.append(
+                self._event(
+                    "response.output_item.done", output_index=where["output_index"], item=item
+                )
+            )
+        elif isinstance(event, ServerCall):
+            item = {
+                "type": "mcp_call",
+                "id": self.stamp.ids("mcp_"),
+                "server_label": event.server,
+                "name": event.name,
+                "arguments": event.arguments,
+                "output": None,
+                "error": None,
+                "status": "in_progress",
+                "approval_request_id": None,
+            }
+            self.items.append(item)
+            self.calls[event.id] = item
+            where = self._where(item)
+            out.append(
+                self._event(
+                    "response.output_item.added",
+                    output_index=where["output_index"],
+                    item=dict(item),
+                )
+            )
+            out.append(
+                self._event("response.mcp_call_arguments.delta", **where, delta=event.arguments)
+            )
+            out.append(
+                self._event("response.mcp_call_arguments.done", **where, arguments=event.arguments)
+            )
+            out.append(self._event("response.mcp_call.in_progress", **where))
+        elif event.id in self.calls:
+            item = self.calls.pop(event.id)
+            where = self._where(item)
+            if event.error:
+                item["status"] = "failed"
+                item["error"] = {
+                    "type": "mcp_tool_execution_error",
+                    "content": [{"type": "text", "text": event.output}],
+                }
+                out.append(self._event("response.mcp_call.failed", **where))
+            else:
+                item["status"] = "completed"
+                item["output"] = event.output
+                out.append(self._event("response.mcp_call.completed", **where))
+            out.append(
+                self._event(
+                    "response.output_item.done", output_index=where["output_index"], item=item
+                )
+            )
         return out
 
     def _call_item(self, cid: str, name: str) -> dict[str, Any]:
@@ -447,16 +563,48 @@ class ResponsesEncoder:
     def error(self, err: BarrelError) -> list[Frame]:
         return [self._event("error", code=err.code, message=err.message, param=err.param)]
 
-    def as_message(self) -> Message:
-        """The output as the assistant's turn, for the next response to continue."""
+    def as_messages(self) -> tuple[Message, ...]:
+        """The output as the assistant's turn, for the next response to continue: each
+        round of server calls (the text before it, its calls, their results), then the
+        last text and the client's calls."""
+        out: list[Message] = []
         said = ""
         calls: list[ToolCall] = []
+        server: list[tuple[ToolCall, str]] = []
         for item in self.items:
+            if item["type"] == "mcp_call":
+                args = json.loads(item["arguments"] or "{}")
+                output = item["output"] if item["output"] is not None else _error_text(item)
+                server.append((ToolCall(item["id"], item["name"], args), output))
+                continue
+            if server:
+                first, *rest = server_round(server)
+                parts = (TextPart(said),) if said else ()
+                out += [msgspec.structs.replace(first, parts=parts), *rest]
+                said, server = "", []
             if item["type"] == "message":
                 said += item["content"][0]["text"]
             elif item["type"] == "function_call":
                 args = json.loads(item["arguments"])
                 calls.append(ToolCall(item["call_id"], item["name"], args))
-        return Message(
-            role="assistant", parts=(TextPart(said),) if said else (), tool_calls=tuple(calls)
-        )
+        if server:
+            first, *rest = server_round(server)
+            out += [msgspec.structs.replace(first, parts=(TextPart(said),) if said else ()), *rest]
+            said = ""
+        if said or calls or not out:
+            out.append(
+                Message(
+                    role="assistant",
+                    parts=(TextPart(said),) if said else (),
+                    tool_calls=tuple(calls),
+                )
+            )
+        return tuple(out)
+
+
+def _error_text(item: dict[str, Any]) -> str:
+    error = item.get("error") or {}
+    parts = error.get("content") if isinstance(error, dict) else None
+    if isinstance(parts, list):
+        return "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
+    return json.dumps(error)
