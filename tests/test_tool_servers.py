@@ -27,7 +27,9 @@ import anthropic
 import httpx
 import openai
 import pytest
+from rich.console import Console
 
+from barrel.cli.top import render_status
 from tests.daemon import Daemon, free_port, serve_models
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,9 +157,11 @@ cwd = "{ROOT}"
 """
     config = servers_config(calls_dir, facts_port, private)
     d = serve_models(tmp_path_factory.mktemp("tools"), {"qwen": qwen_path}, config)
-    wait_servers(d, {"weather", "facts", "private"})
-    yield d
-    d.kill()
+    try:
+        wait_servers(d, {"weather", "facts", "private"})
+        yield d
+    finally:
+        d.kill()
 
 
 @pytest.fixture
@@ -294,7 +298,9 @@ def test_anthropic_mcp_connector_streams_tool_use_and_result_blocks(
     assert all(not r.is_error for r in results)
     texts = [c.text for r in results for c in r.content if not isinstance(r.content, str)]  # type: ignore[union-attr]
     assert all("[together]" in t for t in texts), texts
-    assert message.content[-1].type == "text"
+    final = message.content[-1]
+    assert final.type == "text"
+    assert "23" in final.text or "sunny" in final.text.lower() or "2,100,000" in final.text
     assert len(logged(calls)) == 2
     assert message.usage.cache_read_input_tokens is not None
     assert message.usage.cache_read_input_tokens >= message.usage.input_tokens
@@ -387,6 +393,13 @@ def test_a_server_that_crashes_mid_call_is_an_error_result_and_is_restarted(
     assert "weather" in record["output"]
     servers = wait_servers(daemon, {"weather"}, restarts=before + 1)
     assert "get_weather" in servers["weather"]["tools"]  # listed again after the restart
+    status = httpx.get(daemon.url + "/api/status", timeout=30).json()
+    restarts = {s["name"]: s["restarts"] for s in status["tool_servers"]}["weather"]
+    assert restarts > before
+    console = Console(width=200, record=True)
+    console.print(render_status(status))
+    line = next(x for x in console.export_text().splitlines() if x.startswith("Tool servers:"))
+    assert f"weather ready (6 tools, {restarts} restarts)" in line, line
     again = call_tool(daemon, "get_weather")
     assert again["is_error"] is False
     assert "sunny" in again["output"]
@@ -482,9 +495,11 @@ def keyed(
     config = servers_config(calls_dir, facts_port)
     config = config.replace("anonymous = true\ntimeout_s = 4", "timeout_s = 4")
     d = serve_models(tmp_path_factory.mktemp("keyed"), {"qwen": qwen_path}, config + extra)
-    wait_servers(d, {"weather", "facts"}, key="key-a")
-    yield d
-    d.kill()
+    try:
+        wait_servers(d, {"weather", "facts"}, key="key-a")
+        yield d
+    finally:
+        d.kill()
 
 
 def test_each_key_uses_only_its_allow_list(keyed: Daemon, calls: Path) -> None:

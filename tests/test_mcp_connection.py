@@ -1,0 +1,99 @@
+"""A tool server's connection (barrel.actors.mcp.Connection) against a real stdio MCP
+server (tests/mcp_servers.py), without a model: its concurrency cap, its timeout, a
+tool it does not offer, and the restart after the server dies."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from barrel.actors.mcp import Connection
+from barrel.config import McpConfig, McpServerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def until(check: object, what: str) -> None:
+    deadline = time.monotonic() + 60  # a safety net: each of these takes a second or two
+    while time.monotonic() < deadline:
+        if callable(check) and check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+@pytest.fixture
+def connect(tmp_path: Path) -> Iterator[object]:
+    opened: list[Connection] = []
+    bugs: list[BaseException] = []
+
+    def make(**settings: object) -> Connection:
+        argv = [sys.executable, "-m", "tests.mcp_servers", "weather", str(tmp_path)]
+        config = McpServerConfig(command=argv, cwd=str(ROOT), **settings)  # type: ignore[arg-type]
+        c = Connection("weather", config, McpConfig(max_backoff_s=1.0), bugs.append)
+        c.start()
+        opened.append(c)
+        until(lambda: c.state == "ready", "the server is ready")
+        return c
+
+    yield make
+    for c in opened:
+        c.stop()
+    assert not bugs
+
+
+def logged(folder: Path) -> list[str]:
+    log = folder / "calls.log"
+    return [json.loads(x)["tool"] for x in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_the_tools_are_listed_and_a_tool_not_offered_is_refused(connect, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    c = connect(tools=["get_weather", "hang"])
+    assert sorted(c.tools) == ["get_weather", "hang"]
+    assert c.tools["get_weather"].schema["required"] == ["city"]
+    outcome = c.call("crash", {}).result(timeout=30)
+    assert outcome.kind == "refused"
+    assert logged(tmp_path) == []  # never reached the server
+    ok = c.call("get_weather", {"city": "Oslo"}).result(timeout=30)
+    assert (ok.kind, ok.error) == ("ok", False)
+    assert "sunny" in ok.text
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_calls_beyond_the_cap_wait_for_a_slot(connect, tmp_path: Path, cap: int) -> None:  # type: ignore[no-untyped-def]
+    c = connect(max_concurrent=cap, timeout_s=5.0)
+    hang = c.call("hang", {})
+    until(lambda: "hang" in logged(tmp_path), "the hanging call reached the server")
+    weather = c.call("get_weather", {"city": "Oslo"})
+    assert weather.result(timeout=30).kind == "ok"
+    if cap == 1:  # it waited for the only slot: the hanging call had timed out first
+        assert hang.done()
+        assert hang.result().kind == "timeout"
+    else:  # it ran beside the hanging call
+        assert not hang.done()
+        assert hang.result(timeout=30).kind == "timeout"
+    assert logged(tmp_path) == ["hang", "get_weather"]
+
+
+def test_a_server_that_dies_is_an_error_result_then_restarted(connect, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    c = connect(timeout_s=10.0)
+    died = c.call("crash", {}).result(timeout=30)
+    assert died.error
+    assert died.kind in ("failed", "timeout")
+    until(lambda: c.restarts >= 1 and c.state == "ready", "the server is up again")
+    assert "get_weather" in c.tools
+    again = c.call("get_weather", {"city": "Oslo"}).result(timeout=30)
+    assert again.kind == "ok"
+
+
+def test_a_result_past_the_cap_is_cut_with_a_note(connect) -> None:  # type: ignore[no-untyped-def]
+    c = connect(max_result_bytes=1000)
+    outcome = c.call("flood", {}).result(timeout=30)
+    assert outcome.kind == "ok"
+    assert outcome.text.startswith("x" * 1000)
+    assert outcome.text.endswith("it had 3000000 bytes, 1000 are shown]")
