@@ -10,7 +10,13 @@ import pytest
 from barrel.errors import InvalidRequest, Unavailable
 from barrel.http.codecs import Begin
 from barrel.http.codecs import anthropic as codec
-from barrel.pipeline.events import ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import (
+    ReasoningDelta,
+    ServerCall,
+    ServerResult,
+    TextDelta,
+    ToolCallEvent,
+)
 from barrel.pipeline.request import (
     Dialect,
     ImagePart,
@@ -191,3 +197,68 @@ def test_stop_reasons_and_the_error_event() -> None:
             },
         ),
     ]
+
+
+def test_the_mcp_connector_names_servers_and_its_blocks_round_trip() -> None:
+    req, _ = codec.decode(
+        body(
+            model="m",
+            max_tokens=50,
+            mcp_servers=[
+                {"type": "url", "name": "w", "url": "http://127.0.0.1:9/mcp", "tool_configuration": {"allowed_tools": ["get_weather"]}},
+                {"type": "url", "name": "off", "url": "", "tool_configuration": {"enabled": False}},
+            ],
+            tools=[{"type": "mcp_toolset", "mcp_server_name": "w"}],
+            messages=[
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "Checking."},
+                        {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "get_weather", "server_name": "w", "input": {"city": "Oslo"}},
+                        {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1", "is_error": False, "content": [{"type": "text", "text": "Sunny"}]},
+                        {"type": "text", "text": "Sunny in Oslo."},
+                    ],
+                },
+                {"role": "user", "content": "Thanks"},
+            ],
+        ),
+        counting=False,
+    )  # fmt: skip
+    assert [(u.name, u.url, u.tools) for u in req.servers] == [
+        ("w", "http://127.0.0.1:9/mcp", ("get_weather",))
+    ]
+    assert req.tools == ()
+    oslo = ToolCall("mcptoolu_1", "get_weather", {"city": "Oslo"})
+    assert req.messages == (
+        text("user", "Weather?"),
+        Message(role="assistant", parts=(TextPart("Checking."),), tool_calls=(oslo,)),
+        Message(role="tool", parts=(TextPart("Sunny"),), tool_call_id="mcptoolu_1", name="get_weather"),
+        text("assistant", "Sunny in Oslo."),
+        text("user", "Thanks"),
+    )  # fmt: skip
+    enc = codec.MessagesEncoder(req, stamp())
+    frames = [
+        *enc.feed(0, ServerCall("c1", "w", "get_weather", '{"city": "Oslo"}')),
+        *enc.feed(0, ServerResult("c1", "w", "get_weather", "Sunny", error=False)),
+        *enc.feed(0, TextDelta("Sunny.")),
+        *enc.feed(0, finished()),
+    ]
+    starts = [
+        p["content_block"]["type"] for kind, p in wire(frames) if kind == "content_block_start"
+    ]
+    assert starts == ["mcp_tool_use", "mcp_tool_result", "text"]
+    use, result, _ = enc.full()["content"]
+    assert use == {"type": "mcp_tool_use", "id": "mcptoolu_c1", "name": "get_weather", "server_name": "w", "input": {"city": "Oslo"}}  # fmt: skip
+    assert result == {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_c1", "is_error": False, "content": [{"type": "text", "text": "Sunny"}]}  # fmt: skip
+
+
+def test_mcp_servers_of_the_wrong_shape_are_400s() -> None:
+    for servers in (
+        "w",
+        [{"type": "stdio", "name": "w"}],
+        [{"type": "url"}],
+        [{"name": "w"}, {"name": "w"}],
+    ):
+        with pytest.raises(InvalidRequest, match="mcp_servers"):
+            codec.decode(body(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}], mcp_servers=servers), counting=False)  # fmt: skip

@@ -9,7 +9,13 @@ import pytest
 from barrel.errors import InvalidRequest, Unavailable
 from barrel.http.codecs import Begin
 from barrel.http.codecs import ollama as codec
-from barrel.pipeline.events import ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import (
+    ReasoningDelta,
+    ServerCall,
+    ServerResult,
+    TextDelta,
+    ToolCallEvent,
+)
 from barrel.pipeline.request import (
     Dialect,
     Format,
@@ -133,3 +139,28 @@ def test_generate_answers_with_its_context_and_errors_are_one_line() -> None:
     full = enc.full()
     assert (full["response"], full["done_reason"], full["context"]) == ("Hello", "length", [5, 6])
     assert wire(enc.error(Unavailable("the engine crashed"))) == [{"error": "the engine crashed"}]
+
+
+def test_api_chat_names_tool_servers_and_returns_their_calls() -> None:
+    req, _ = codec.decode_chat(
+        body(model="m", messages=[{"role": "user", "content": "Weather?"}], mcp_servers=["w"])
+    )
+    assert [u.name for u in req.servers] == ["w"]
+    s = stamp()
+    enc = codec.OllamaEncoder(req, chat=True, stamp=s)
+    enc.begin(Begin(5, s.perf(), 0.0))
+    lines = [
+        *enc.feed(0, ServerCall("c1", "w", "get_weather", "{}")),
+        *enc.feed(0, ServerResult("c1", "w", "get_weather", "no such city", error=True)),
+        *enc.feed(0, finished()),
+    ]
+    record = {
+        "id": "c1",
+        "server": "w",
+        "name": "get_weather",
+        "arguments": "{}",
+        "output": "no such city",
+        "is_error": True,
+    }
+    assert [line["message"]["server_tool_calls"] for line in wire(lines)] == [[record]]
+    assert enc.full()["message"]["server_tool_calls"] == [record]

@@ -9,7 +9,13 @@ import pytest
 from barrel.errors import BarrelError, InvalidRequest, Unavailable
 from barrel.http.codecs import Begin
 from barrel.http.codecs import openai_chat as codec
-from barrel.pipeline.events import ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.events import (
+    ReasoningDelta,
+    ServerCall,
+    ServerResult,
+    TextDelta,
+    ToolCallEvent,
+)
 from barrel.pipeline.request import (
     Dialect,
     Format,
@@ -242,3 +248,47 @@ def test_integral_numbers_and_numeric_strings_are_read_and_bad_ones_stay_400s() 
     ):
         with pytest.raises(InvalidRequest):
             codec.decode(body(model="m", messages=[{"role": "user", "content": "hi"}], **fields))
+
+
+def test_barrel_s_mcp_servers_field_and_the_server_calls_it_returns() -> None:
+    req, b = codec.decode(
+        body(
+            model="m",
+            messages=[{"role": "user", "content": "Weather?"}],
+            mcp_servers=["w", {"name": "f", "allowed_tools": ["get_population"]}],
+            stream=True,
+        )
+    )
+    assert [(u.name, u.url, u.tools) for u in req.servers] == [
+        ("w", "", None),
+        ("f", "", ("get_population",)),
+    ]
+    enc = codec.encoder(req, b, stamp())
+    frames = [
+        *enc.feed(0, ServerCall("c1", "w", "get_weather", '{"city": "Oslo"}')),
+        *enc.feed(0, ServerResult("c1", "w", "get_weather", "Sunny")),
+        *enc.feed(0, TextDelta("Sunny.")),
+        *enc.feed(0, finished()),
+    ]
+    record = {
+        "id": "c1",
+        "server": "w",
+        "name": "get_weather",
+        "arguments": '{"city": "Oslo"}',
+        "output": "Sunny",
+        "is_error": False,
+    }
+    deltas = [f["choices"][0]["delta"] for f in wire(frames) if isinstance(f, dict)]
+    assert {"server_tool_calls": [record]} in deltas
+    assert enc.full()["choices"][0]["message"]["server_tool_calls"] == [record]
+    for bad in (
+        "w",
+        [3],
+        [{"allowed_tools": []}],
+        ["w", "w"],
+        [{"name": "w", "allowed_tools": "x"}],
+    ):
+        with pytest.raises(InvalidRequest, match="mcp_servers"):
+            codec.decode(
+                body(model="m", messages=[{"role": "user", "content": "x"}], mcp_servers=bad)
+            )
