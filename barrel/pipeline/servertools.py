@@ -99,7 +99,8 @@ async def run(
 ) -> AsyncGenerator[ChatEvent, None]:
     """The turn (see the module's docstring): events as `chat.run` yields them, server
     calls and results in between, one `Finished` at the end with the usage of all
-    rounds."""
+    rounds (each round's prompt counts, and the cells it reused: a continuation that
+    reuses the turn's cells computes only the calls' results)."""
     by_name = {t.name: t for t in toolbox.tools}
     servers: dict[str, list[ServerTool]] = {}
     for tool in toolbox.tools:
@@ -108,13 +109,14 @@ async def run(
         yield ServerTools(server, tuple((t.name, t.description, t.parameters) for t in tools))
     held: list[ChatEvent] = []
     reused = computed = completion = 0
-    first_prompt = len(prep.prompt)
+    prompts = 0
     for number in range(1, max_rounds + 2):
         turn = _Round()
         async for event in _generate(engine, chat, prep, by_name, turn, timings):
             yield event
         done = turn.finished
         assert done is not None
+        prompts += done.usage.prompt_tokens
         reused += done.usage.prompt_reused
         computed += done.usage.prompt_computed
         completion += done.usage.completion_tokens
@@ -123,7 +125,7 @@ async def run(
             for event in _released(held, turn.client):
                 yield event
             calls = any(isinstance(e, ToolCallEvent) for e in (*held, *turn.client))
-            usage = Usage(first_prompt, completion, reused, computed, done.usage.reuse_note)
+            usage = Usage(prompts, completion, reused, computed, done.usage.reuse_note)
             reason = done.reason
             if calls and reason != "length":
                 reason = "tool_calls"
