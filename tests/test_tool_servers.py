@@ -245,6 +245,36 @@ def test_responses_runs_two_servers_calls_at_once_and_continues_on_the_same_cell
     assert computed < 0.7 * usage.input_tokens, usage
 
 
+def test_parallel_tool_calls_false_runs_one_call_a_round(daemon: Daemon, calls: Path) -> None:
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none")
+    events = list(
+        client.responses.create(
+            model="qwen",
+            input=[fresh(), *SHOWN_ITEMS, {"role": "user", "content": QUESTION}],  # type: ignore[list-item]
+            tools=[
+                {
+                    "type": "mcp",
+                    "server_label": "weather",
+                    "allowed_tools": ["get_weather"],
+                    "require_approval": "never",
+                },
+                {"type": "mcp", "server_label": "facts", "require_approval": "never"},
+            ],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_output_tokens=120,
+            stream=True,
+        )
+    )
+    running = 0
+    for event in events:  # never two calls in flight
+        running += event.type == "response.mcp_call.in_progress"
+        running -= event.type in ("response.mcp_call.completed", "response.mcp_call.failed")
+        assert running <= 1
+    assert 1 <= len(logged(calls)) <= 2  # a call a round, max_rounds 2
+
+
 def test_anthropic_mcp_connector_streams_tool_use_and_result_blocks(
     daemon: Daemon, calls: Path, facts_port: int
 ) -> None:
