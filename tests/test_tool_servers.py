@@ -156,15 +156,22 @@ anonymous = true
 def daemon(
     tmp_path_factory: pytest.TempPathFactory, qwen_path: Path, calls_dir: Path, facts_port: int
 ) -> Iterator[Daemon]:
+    weather = json.dumps([sys.executable, "-m", "tests.mcp_servers", "weather", str(calls_dir)])
     private = f"""
 [mcp.servers.private]
-command = {json.dumps([sys.executable, "-m", "tests.mcp_servers", "weather", str(calls_dir)])}
+command = {weather}
 cwd = "{ROOT}"
+
+[mcp.servers.big]
+command = {weather}
+cwd = "{ROOT}"
+anonymous = true
+tools = ["flood"]
 """
     config = servers_config(calls_dir, facts_port, private)
     d = serve_models(tmp_path_factory.mktemp("tools"), {"qwen": qwen_path}, config)
     try:
-        wait_servers(d, {"weather", "facts", "private"})
+        wait_servers(d, {"weather", "facts", "private", "big"})
         yield d
     finally:
         d.kill()
@@ -460,6 +467,30 @@ def test_a_flood_is_cut_with_a_note(daemon: Daemon, calls: Path) -> None:
     assert record["output"].startswith("x" * 2048)
     assert len(record["output"]) < 2200
     assert "was cut here: it had 3000000 bytes, 2048 are shown" in record["output"]
+
+
+def test_results_too_long_for_the_context_end_the_turn_as_it_stands(
+    daemon: Daemon, calls: Path
+) -> None:
+    r = httpx.post(
+        daemon.url + "/v1/chat/completions",
+        json={
+            "model": "qwen",
+            "messages": [{"role": "user", "content": "Use the flood tool."}],
+            "tool_choice": "required",
+            "mcp_servers": ["big"],
+            "max_tokens": 40,
+        },
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    (record,) = choice["message"]["server_tool_calls"]  # 64 KiB: past the 2,048-token context
+    assert record["is_error"] is False
+    assert len(record["output"]) > 65536
+    status = httpx.get(daemon.url + "/api/status", timeout=30).json()
+    assert {s["name"]: s["state"] for s in status["tool_servers"]}["big"] == "ready"
 
 
 def test_a_line_that_is_not_json_rpc_and_a_raising_tool_are_error_results(

@@ -12,7 +12,8 @@ are held until the turn ends: a round with both kinds runs the server calls and 
 and the client calls it made are returned when the turn finishes (with those of the
 last round, a call made twice returned once), so a turn never both continues and
 finishes. A call that fails, times out or names a tool the server does not offer is a
-result the model reads ("error"), never a failed request.
+result the model reads ("error"), never a failed request; results too long for the
+context end the turn where it stands ("length").
 
 The tools and their runner come from the caller (`Toolbox`: barrel.actors.tools builds
 it from the configuration, the API key's allow-list and the servers that are up); this
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from barrel.engine.engine import Engine
+from barrel.engine.errors import PromptTooLong
 from barrel.pipeline import chat as chat_turn
 from barrel.pipeline.chat import ChatRequest, Prepared
 from barrel.pipeline.events import (
@@ -112,8 +114,19 @@ async def run(
     prompts = 0
     for number in range(1, max_rounds + 2):
         turn = _Round()
-        async for event in _generate(engine, chat, prep, by_name, turn, timings):
-            yield event
+        try:
+            async for event in _generate(engine, chat, prep, by_name, turn, timings):
+                yield event
+        except PromptTooLong:
+            if number == 1:
+                raise
+            # the results do not fit in the context: the turn ends where it stands
+            for event in _released(held, []):
+                yield event
+            calls = any(isinstance(e, ToolCallEvent) for e in held)
+            usage = Usage(prompts, completion, reused, computed)
+            yield Finished("tool_calls" if calls else "length", usage)
+            return
         done = turn.finished
         assert done is not None
         prompts += done.usage.prompt_tokens
