@@ -197,30 +197,35 @@ def expect_together(calls_dir: Path) -> None:
 # -- two servers, two calls at once, one continuation -------------------------------------
 
 
+def ask_both(daemon: Daemon, **more: Any) -> list[Any]:
+    """The question for both servers through the Responses API, streamed: its events."""
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none")
+    stream = client.responses.create(
+        model="qwen",
+        input=[fresh(), *SHOWN_ITEMS, {"role": "user", "content": QUESTION}],  # type: ignore[list-item]
+        tools=[
+            {
+                "type": "mcp",
+                "server_label": "weather",
+                "allowed_tools": ["get_weather"],
+                "require_approval": "never",
+            },
+            {"type": "mcp", "server_label": "facts", "require_approval": "never"},
+        ],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=120,
+        stream=True,
+        **more,
+    )
+    return list(stream)
+
+
 def test_responses_runs_two_servers_calls_at_once_and_continues_on_the_same_cells(
     daemon: Daemon, calls: Path
 ) -> None:
     expect_together(calls.parent)
-    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none")
-    events = list(
-        client.responses.create(
-            model="qwen",
-            input=[fresh(), *SHOWN_ITEMS, {"role": "user", "content": QUESTION}],  # type: ignore[list-item]
-            tools=[
-                {
-                    "type": "mcp",
-                    "server_label": "weather",
-                    "allowed_tools": ["get_weather"],
-                    "require_approval": "never",
-                },
-                {"type": "mcp", "server_label": "facts", "require_approval": "never"},
-            ],
-            tool_choice="required",
-            temperature=0,
-            max_output_tokens=120,
-            stream=True,
-        )
-    )
+    events = ask_both(daemon)
     kinds = [e.type for e in events]
     assert kinds.count("response.mcp_list_tools.completed") == 2
     assert kinds.count("response.mcp_call.in_progress") == 2
@@ -253,27 +258,7 @@ def test_responses_runs_two_servers_calls_at_once_and_continues_on_the_same_cell
 
 
 def test_parallel_tool_calls_false_runs_one_call_a_round(daemon: Daemon, calls: Path) -> None:
-    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none")
-    events = list(
-        client.responses.create(
-            model="qwen",
-            input=[fresh(), *SHOWN_ITEMS, {"role": "user", "content": QUESTION}],  # type: ignore[list-item]
-            tools=[
-                {
-                    "type": "mcp",
-                    "server_label": "weather",
-                    "allowed_tools": ["get_weather"],
-                    "require_approval": "never",
-                },
-                {"type": "mcp", "server_label": "facts", "require_approval": "never"},
-            ],
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=0,
-            max_output_tokens=120,
-            stream=True,
-        )
-    )
+    events = ask_both(daemon, parallel_tool_calls=False)
     running = 0
     for event in events:  # never two calls in flight
         running += event.type == "response.mcp_call.in_progress"
