@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from barrel.engine.vision import solid_png
+from barrel.engine.projector import solid_png
 
 __all__ = ["BLUE", "RED", "data_url", "solid_png"]
 

@@ -251,7 +251,7 @@ async def test_the_disk_budget_holds_under_distinct_conversations(
 
 def test_a_state_extending_another_replaces_it(tmp_path: Path) -> None:
     disk = KVDisk(tmp_path, 1 << 30)
-    image = -1 - (2**62 + 12345)  # an image's placeholder: 63 bits (barrel.engine.vision)
+    image = -1 - (2**62 + 12345)  # an image's placeholder: 63 bits (barrel.engine.projector)
     short = (image, *range(BLOCK * 2 - 1))
     long = (*short, *range(1000, 1000 + BLOCK))
     assert disk.write("m", "fp", "b", Saved("", short, b"s" * 100))

@@ -13,7 +13,7 @@ from typing import Any
 
 from barrel.actors.child import Child, Link
 from barrel.errors import NotFound
-from barrel.store.gguf_meta import read_gguf
+from barrel.store.gguf_meta import projector_reads, read_gguf
 from barrel.store.local import LocalModel, check_gguf_file
 from barrel.store.store import config_for
 
@@ -48,7 +48,8 @@ class Catalog(Child):
         if model.name not in self._configs:
             config = config_for(read_gguf(model.path))
             if model.projector is not None:
-                config["barrel"]["capabilities"] = [*config["barrel"]["capabilities"], "vision"]
+                caps = config["barrel"]["capabilities"]
+                caps += [c for c in projector_reads(model.projector) if c not in caps]
             self._configs[model.name] = config
         return self._configs[model.name]
 

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=_Projector,
         default={},
         metavar="[NAME=]PATH",
-        help="a vision projector GGUF for the --model before it (or for NAME)",
+        help="a multimodal (image or audio) projector GGUF for the --model before it (or for NAME)",
     )
     serve.add_argument("--log-level", help="debug, info, warning or error")
 

@@ -14,11 +14,11 @@ from barrel.engine.deliver import Delivery
 from barrel.engine.errors import KVCacheFull
 from barrel.engine.kvcache import Slot
 from barrel.engine.lora import Loras, Scales
+from barrel.engine.projector import Projector, is_placeholder
 from barrel.engine.roster import Roster
 from barrel.engine.run import Run
 from barrel.engine.shared import Shared
 from barrel.engine.types import FinishReason, GenerationRequest
-from barrel.engine.vision import Projector, is_placeholder
 from barrel.errors import InvalidRequest
 
 

@@ -15,7 +15,7 @@ import llama_cpp as ll
 
 from barrel.engine.errors import ModelLoadError
 from barrel.engine.model import LlamaModel, ModelOptions
-from barrel.engine.vision import Projector, load_projector
+from barrel.engine.projector import Projector, load_projector
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class EngineOptions:
     # A finished conversation's sequence gets its template's next-turn header after this
     # long without a request (NextTurns.decode, barrel.engine.turns).
     next_turn_delay_s: float = 0.2
-    # A multimodal projector GGUF (barrel.engine.vision): the model then reads images.
+    # A multimodal projector GGUF (barrel.engine.projector): the model then reads images.
     mmproj: Path | None = None
     # A KV stream of n_ctx cells for each sequence (the context is allocated n_seq_max
     # + max_pins times, as llama-server's -np does) instead of one stream all share:

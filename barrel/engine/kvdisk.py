@@ -52,7 +52,7 @@ MAX_HEADER = 64 * 1024
 WRITE_WAIT_S = 15.0
 
 _LEN = struct.Struct("<I")
-TOKEN = np.dtype("<i8")  # image placeholders are 63-bit (barrel.engine.vision)
+TOKEN = np.dtype("<i8")  # image placeholders are 63-bit (barrel.engine.projector)
 
 
 def chain(tokens: np.ndarray) -> list[bytes]:

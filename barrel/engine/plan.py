@@ -13,13 +13,13 @@ import logging
 from barrel.engine.admit import Admission
 from barrel.engine.inbox import PinJob
 from barrel.engine.lora import Loras
+from barrel.engine.projector import is_placeholder
 from barrel.engine.roster import Roster, runnable
 from barrel.engine.run import Run
 from barrel.engine.shared import Shared
 from barrel.engine.slots import runs_of
 from barrel.engine.speculate import align_drafts
 from barrel.engine.verify import Verifier
-from barrel.engine.vision import is_placeholder
 
 logger = logging.getLogger(__name__)
 

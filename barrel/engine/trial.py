@@ -1,6 +1,6 @@
 """`python -m barrel.engine.trial [--embedding] [--mmproj PROJECTOR] PATH`: load a model
 the way the engine does, tokenize, and decode one batch (and with a projector, load it
-and encode an image); exit 0 when all of it worked.
+and encode an image or a one-second clip, whichever it reads); exit 0 when all of it worked.
 
 llama.cpp aborts the whole process on some malformed models (a GGML_ASSERT on a
 duplicate vocabulary entry, a tensor of the wrong shape). New files are tried here, in a
@@ -18,7 +18,7 @@ import llama_cpp as ll
 
 from barrel.engine.context import Batch, EngineOptions, new_context
 from barrel.engine.model import LlamaModel
-from barrel.engine.vision import Projector, solid_png
+from barrel.engine.projector import Projector, solid_png, tone_wav
 
 N_CTX = 64
 
@@ -45,10 +45,11 @@ def trial(path: str, embedding: bool, mmproj: str | None = None) -> None:
     batch.free()
     if mmproj is not None:
         projector = Projector(Path(mmproj), model, threads=1, use_gpu=False)
-        png = solid_png((200, 30, 30))
-        [piece] = projector.images({hashlib.sha256(png).hexdigest(): png}).values()
-        projector.encode(piece.media)
-        del piece
+        sample = solid_png((200, 30, 30)) if projector.reads_images else tone_wav(1.0)
+        [piece] = projector.read({hashlib.sha256(sample).hexdigest(): sample}).values()
+        for media in piece.media:
+            projector.encode(media)
+        del piece, media
         projector.close()
     ll.llama_free(ctx)
     model.free()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NewType
 import msgspec
 
 if TYPE_CHECKING:
-    from barrel.engine.vision import Media
+    from barrel.engine.projector import Media
 
 RequestId = NewType("RequestId", int)
 SessionId = NewType("SessionId", str)
@@ -71,7 +71,7 @@ class GenerationRequest:
     # Sequences of different scales never share a decode step (llama.cpp sets adapters
     # per context), nor KV cells.
     lora: tuple[float, ...] | None = None
-    # The images whose placeholders are in `prompt` (barrel.engine.vision).
+    # The images whose placeholders are in `prompt` (barrel.engine.projector).
     media: tuple[Media, ...] = ()
     # What the chat template puts after this answer before the next user's words (its
     # end of turn and the user header), as tokens: once the answer ends, the engine

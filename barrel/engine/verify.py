@@ -12,10 +12,10 @@ from barrel.engine.deliver import Delivery
 from barrel.engine.draft import DraftModel, Want
 from barrel.engine.errors import InvalidGrammar
 from barrel.engine.model import LlamaModel, ModelOptions
+from barrel.engine.projector import is_placeholder
 from barrel.engine.run import Run
 from barrel.engine.shared import Shared
 from barrel.engine.speculate import NgramDrafter
-from barrel.engine.vision import is_placeholder
 
 logger = logging.getLogger(__name__)
 

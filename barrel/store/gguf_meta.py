@@ -9,6 +9,7 @@ and refuses anything malformed with `InvalidGGUF` (400).
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import struct
@@ -432,3 +433,20 @@ def _check_vocabulary(tokens: Iterator[bytes], info: GGUFInfo) -> None:
             raise InvalidGGUF(f"the vocabulary has a duplicate token (id {i})")
         seen.add(raw)
     info.has_fim_tokens = any(t.encode() in seen for t in _FIM_TOKENS)
+
+
+@functools.lru_cache(maxsize=64)
+def projector_reads(path: Path) -> tuple[str, ...]:
+    """The capabilities a projector GGUF gives its model: "vision" for an image
+    encoder, "audio" for an audio encoder (files are content-addressed or registered at
+    boot: read once). A file that says neither is taken as an older vision projector."""
+    try:
+        info = read_gguf(path)
+    except InvalidRequest:
+        return ("vision",)
+    reads = [
+        cap
+        for cap, key in (("vision", "clip.has_vision_encoder"), ("audio", "clip.has_audio_encoder"))
+        if info.get(key)
+    ]
+    return tuple(reads) or ("vision",)

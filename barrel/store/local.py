@@ -17,7 +17,7 @@ class LocalModel:
     path: Path
     size: int
     mtime_ns: int = 0
-    projector: Path | None = None  # a vision projector GGUF (--mmproj)
+    projector: Path | None = None  # a multimodal projector GGUF (--mmproj)
 
     @property
     def digest(self) -> str:

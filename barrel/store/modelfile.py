@@ -1,7 +1,7 @@
 """Ollama's Modelfile: parse, check parameters, render back.
 
     FROM <model name | ./file.gguf | sha256:<digest>>
-    FROM <./projector.gguf | sha256:<digest>>   (a second FROM: a vision projector)
+    FROM <./projector.gguf | sha256:<digest>>   (a second FROM: an image or audio projector)
     PARAMETER <name> <value>          (repeatable; `stop` accumulates)
     SYSTEM / TEMPLATE / LICENSE <text | "text" | \"\"\"multi-line\"\"\">
     MESSAGE <system|user|assistant|tool> <text>

@@ -149,7 +149,8 @@ def _hf_tree(repo: str, registries: Registries) -> list[dict[str, Any]]:
 
 
 def _is_projector(entry: dict[str, Any]) -> bool:
-    """Hugging Face repositories ship a vision projector beside the model as mmproj-*.gguf."""
+    """Hugging Face repositories ship a projector (images, audio) beside the model as
+    mmproj-*.gguf."""
     return "mmproj" in Path(str(entry["path"])).name.lower()
 
 
@@ -191,7 +192,7 @@ def _hf_repo(text: str, registries: Registries) -> PullPlan:
     # split files (-00001-of-0000N) are not supported: take the single-file match
     chosen = sorted(matches, key=lambda f: str(f["path"]))[0]
     artifacts = [_hf_artifact(repo, chosen, registries)]
-    if projectors:  # the model reads images: its projector comes with it
+    if projectors:  # the model reads images or audio: its projector comes with it
         artifacts.append(_hf_artifact(repo, projectors[0], registries, mt.PROJECTOR))
     return PullPlan(name, artifacts)
 

@@ -18,7 +18,7 @@ from typing import Any
 from barrel.errors import InvalidRequest, NotFound
 from barrel.store import manifests as mt
 from barrel.store.blobs import BlobStore
-from barrel.store.gguf_meta import GGUFInfo, read_gguf
+from barrel.store.gguf_meta import GGUFInfo, projector_reads, read_gguf
 from barrel.store.manifests import Layer, Manifest, ManifestStore
 from barrel.store.modelfile import (
     Modelfile,
@@ -78,8 +78,8 @@ class ModelRecord:
     @property
     def capabilities(self) -> list[str]:
         caps: list[str] = list(self.meta.get("capabilities", []))
-        if self.projector_path is not None and "vision" not in caps:
-            caps.append("vision")
+        if self.projector_path is not None:
+            caps += [c for c in projector_reads(self.projector_path) if c not in caps]
         return caps
 
 

@@ -311,3 +311,83 @@ def tiny_projector(
         return path
     directory.mkdir(parents=True, exist_ok=True)
     return write_tiny_projector(path, shape, text)
+
+
+@dataclass(frozen=True)
+class AudioProjectorShape:
+    """A Qwen2-Audio-style projector ("qwen2a": a Whisper encoder, average-pooled, one
+    linear layer) sized for the tiny model. Whisper reads 30-second windows of 16 kHz
+    audio (3,000 mel frames); each window is 750 tokens of the text model's width."""
+
+    n_mel: int = 80
+    n_embd: int = 32
+    n_head: int = 2
+    n_ff: int = 64
+    n_layer: int = 1
+    seed: int = 8765
+
+    def key(self, text: TinyShape) -> str:
+        return hashlib.sha256(repr((self, text.n_embd)).encode()).hexdigest()[:12]
+
+
+def write_tiny_audio_projector(
+    path: Path, shape: AudioProjectorShape = AudioProjectorShape(), text: TinyShape = TinyShape()
+) -> Path:
+    """Write a random-weight audio projector for the tiny model (atomically)."""
+    rng = np.random.default_rng(shape.seed)
+
+    def weight(*dims: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(dims, dtype=np.float32) * scale).astype(np.float32)
+
+    d, ff = shape.n_embd, shape.n_ff
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(tmp, "clip")
+    w.add_name("barrel-tiny-audio-projector")
+    w.add_type("mmproj")
+    w.add_bool("clip.has_audio_encoder", True)
+    w.add_string("clip.projector_type", "qwen2a")
+    w.add_uint32("clip.audio.num_mel_bins", shape.n_mel)
+    w.add_uint32("clip.audio.embedding_length", d)
+    w.add_uint32("clip.audio.feed_forward_length", ff)
+    w.add_uint32("clip.audio.block_count", shape.n_layer)
+    w.add_uint32("clip.audio.projection_dim", text.n_embd)
+    w.add_uint32("clip.audio.attention.head_count", shape.n_head)
+    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    # numpy shapes are ggml's ne reversed; conv biases are (channels, 1) as converters write
+    w.add_tensor("a.conv1d.1.weight", weight(d, shape.n_mel, 3).astype(np.float16))
+    w.add_tensor("a.conv1d.1.bias", np.zeros((d, 1), dtype=np.float32))
+    w.add_tensor("a.conv1d.2.weight", weight(d, d, 3).astype(np.float16))
+    w.add_tensor("a.conv1d.2.bias", np.zeros((d, 1), dtype=np.float32))
+    w.add_tensor("a.position_embd.weight", weight(1500, d))
+    for i in range(shape.n_layer):
+        b = f"a.blk.{i}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{b}.{name}.weight", weight(d, d).astype(np.float16))
+            if name != "attn_k":  # Whisper's key projection has no bias
+                w.add_tensor(f"{b}.{name}.bias", np.zeros(d, dtype=np.float32))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"{b}.{name}.weight", np.ones(d, dtype=np.float32))
+            w.add_tensor(f"{b}.{name}.bias", np.zeros(d, dtype=np.float32))
+        w.add_tensor(f"{b}.ffn_up.weight", weight(ff, d).astype(np.float16))
+        w.add_tensor(f"{b}.ffn_up.bias", np.zeros(ff, dtype=np.float32))
+        w.add_tensor(f"{b}.ffn_down.weight", weight(d, ff).astype(np.float16))
+        w.add_tensor(f"{b}.ffn_down.bias", np.zeros(d, dtype=np.float32))
+    w.add_tensor("a.post_ln.weight", np.ones(d, dtype=np.float32))
+    w.add_tensor("a.post_ln.bias", np.zeros(d, dtype=np.float32))
+    w.add_tensor("mm.a.fc.weight", weight(text.n_embd, d, scale=1.0).astype(np.float16))
+    w.add_tensor("mm.a.fc.bias", np.zeros(text.n_embd, dtype=np.float32))
+    return _finish(w, tmp, path)
+
+
+def tiny_audio_projector(
+    shape: AudioProjectorShape = AudioProjectorShape(),
+    text: TinyShape = TinyShape(),
+    dest: Path | None = None,
+) -> Path:
+    """The cached audio projector for the tiny model, built on first use."""
+    directory = dest or bundled.cache_dir()
+    path = directory / f"barrel-tiny-audio-mmproj-{shape.key(text)}.gguf"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_tiny_audio_projector(path, shape, text)

@@ -1,23 +1,28 @@
-"""Images in a prompt, through a multimodal projector (llama.cpp's mtmd).
+"""Images and audio in a prompt, through a multimodal projector (llama.cpp's mtmd).
 
-A prompt with images is still a token list: each image takes as many entries as the
+A prompt with media is still a token list: each image, and each 30-second window of an
+audio clip (Whisper-style encoders read audio in windows), takes as many entries as the
 positions it fills in the sequence, all the same negative placeholder derived from the
-image's SHA-256. Placeholders never reach llama_decode: when prefill reaches one, the
-engine thread evaluates the image (`Projector.evaluate`: encode with the projector,
-decode the embeddings into the sequence at that position). Because the placeholder is the
-image's hash, the KV cache's prefix matching reuses an image's cells like any tokens: a
-second turn about the same image computes only the text after it.
+clip's SHA-256 (and the window's index). Placeholders never reach llama_decode: when
+prefill reaches one, the engine thread evaluates the media (`Projector.evaluate`: encode
+with the projector, decode the embeddings into the sequence at that position). Because
+the placeholder is the bytes' hash, the KV cache's prefix matching reuses a clip's cells
+like any tokens: a second turn about the same image or clip computes only the text after.
 
-Thread affinity: `Projector.images` (decoding and preprocessing, tokenizing) is safe
-from any thread while the projector is open, as llama-server does it in its HTTP
-threads; `evaluate` runs in the engine thread only (it decodes into the context).
+Thread affinity: `Projector.read` (decoding and preprocessing, tokenizing) is safe from
+any thread while the projector is open, as llama-server does it in its HTTP threads;
+`evaluate` runs in the engine thread only (it decodes into the context).
 """
 
 from __future__ import annotations
 
+import array
 import ctypes
+import hashlib
 import logging
+import math
 import struct
+import sys
 import threading
 import zlib
 from collections.abc import Mapping
@@ -34,7 +39,7 @@ from barrel.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
-_IMAGE_CHUNK = 1  # MTMD_INPUT_CHUNK_TYPE_IMAGE
+_MEDIA_CHUNKS = (1, 2)  # MTMD_INPUT_CHUNK_TYPE_IMAGE, MTMD_INPUT_CHUNK_TYPE_AUDIO
 _logging_routed = False
 
 
@@ -53,14 +58,21 @@ def placeholder(digest: bytes) -> int:
     return -1 - (int.from_bytes(digest[:8], "big") >> 1)
 
 
+def window_placeholder(digest: bytes, index: int) -> int:
+    """The placeholder of an audio clip's `index`-th window (the first: the clip's)."""
+    if index == 0:
+        return placeholder(digest)
+    return placeholder(hashlib.sha256(digest + index.to_bytes(4, "big")).digest())
+
+
 def is_placeholder(token: int) -> bool:
     return token < 0
 
 
 @dataclass(eq=False)
 class Media:
-    """One preprocessed image: its mtmd chunk (owned, freed with this object), the
-    positions it fills and the placeholder standing for them."""
+    """One preprocessed image or audio window: its mtmd chunk (owned, freed with this
+    object), the positions it fills and the placeholder standing for them."""
 
     token: int
     n_pos: int
@@ -75,15 +87,20 @@ class Media:
 
 @dataclass(frozen=True)
 class Piece:
-    """A prompt's image, as the tokens that go around it (some projectors wrap an image
-    in marker tokens) and its media."""
+    """A prompt's image or audio clip: text tokens (some projectors wrap media in marker
+    tokens) and media, in order; a clip longer than one window is several media."""
 
-    before: tuple[int, ...]
-    media: Media
-    after: tuple[int, ...]
+    parts: tuple[tuple[int, ...] | Media, ...]
+
+    @property
+    def media(self) -> tuple[Media, ...]:
+        return tuple(p for p in self.parts if isinstance(p, Media))
 
     def tokens(self) -> list[int]:
-        return [*self.before, *([self.media.token] * self.media.n_pos), *self.after]
+        out: list[int] = []
+        for p in self.parts:
+            out += [p.token] * p.n_pos if isinstance(p, Media) else p
+        return out
 
 
 class Projector:
@@ -102,10 +119,12 @@ class Projector:
             raise ModelLoadError(
                 f"cannot load the projector {path.name}: not a projector for this model"
             )
-        if not mtmd.mtmd_support_vision(self.ctx):
+        self.reads_images = bool(mtmd.mtmd_support_vision(self.ctx))
+        self.reads_audio = bool(mtmd.mtmd_support_audio(self.ctx))
+        if not (self.reads_images or self.reads_audio):
             mtmd.mtmd_free(self.ctx)
             self.ctx = None
-            raise ModelLoadError(f"the projector {path.name} reads no images")
+            raise ModelLoadError(f"the projector {path.name} reads neither images nor audio")
         self._marker = mtmd.mtmd_default_marker()
         self._lock = threading.Lock()  # closing waits for images being prepared
 
@@ -115,19 +134,26 @@ class Projector:
                 mtmd.mtmd_free(self.ctx)
                 self.ctx = None
 
-    def images(self, blobs: Mapping[str, bytes]) -> dict[str, Piece]:
-        """Decode and preprocess each image, given by its SHA-256 (hex): a 400 for bytes
-        that are not an image."""
+    def read(self, blobs: Mapping[str, bytes]) -> dict[str, Piece]:
+        """Decode and preprocess each image or audio clip, given by its SHA-256 (hex): a
+        400 for bytes that are neither, or media this projector does not take. The
+        bytes were bounded from their headers before (barrel.pipeline.images, .audio)."""
         with self._lock:
             if not self.ctx:
-                raise InvalidRequest("the model was unloaded while its images were read")
+                raise InvalidRequest("the model was unloaded while its media were read")
             return {digest: self._piece(bytes.fromhex(digest), b) for digest, b in blobs.items()}
 
     def _piece(self, digest: bytes, blob: bytes) -> Piece:
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(blob), False)
         if not bitmap:
-            raise InvalidRequest("an image could not be decoded (PNG, JPEG, GIF and BMP are read)")
+            raise InvalidRequest(
+                "media could not be decoded (images: PNG, JPEG, GIF, BMP; audio: WAV, MP3, FLAC)"
+            )
+        kind = "audio" if mtmd.mtmd_bitmap_is_audio(bitmap) else "images"
+        if not (self.reads_audio if kind == "audio" else self.reads_images):
+            mtmd.mtmd_bitmap_free(bitmap)
+            raise InvalidRequest(f"this model's projector does not read {kind}")
         chunks = mtmd.mtmd_input_chunks_init()
         try:
             mtmd.mtmd_bitmap_set_id(bitmap, digest.hex().encode())
@@ -139,47 +165,46 @@ class Projector:
             bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
             status = mtmd.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), bitmaps, 1)
             if status != 0:
-                raise InvalidRequest(
-                    f"the image could not be prepared for the projector ({status})"
-                )
-            before: list[int] = []
-            after: list[int] = []
-            media: Media | None = None
+                raise InvalidRequest(f"{kind} could not be prepared for the projector ({status})")
+            parts: list[tuple[int, ...] | Media] = []
             for i in range(mtmd.mtmd_input_chunks_size(chunks)):
                 chunk = mtmd.mtmd_input_chunks_get(chunks, i)
-                if mtmd.mtmd_input_chunk_get_type(chunk) == _IMAGE_CHUNK:
-                    media = Media(
-                        placeholder(digest),
-                        int(mtmd.mtmd_input_chunk_get_n_pos(chunk)),
-                        int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)),
-                        mtmd.mtmd_input_chunk_copy(chunk),
+                if mtmd.mtmd_input_chunk_get_type(chunk) in _MEDIA_CHUNKS:
+                    index = sum(isinstance(p, Media) for p in parts)
+                    parts.append(
+                        Media(
+                            window_placeholder(digest, index),
+                            int(mtmd.mtmd_input_chunk_get_n_pos(chunk)),
+                            int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)),
+                            mtmd.mtmd_input_chunk_copy(chunk),
+                        )
                     )
                     continue
                 n = ctypes.c_size_t(0)
                 ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-                (after if media is not None else before).extend(ids[i] for i in range(n.value))
-            if media is None:
-                raise InvalidRequest("the projector made no image tokens of this image")
-            return Piece(tuple(before), media, tuple(after))
+                parts.append(tuple(ids[j] for j in range(n.value)))
+            if not any(isinstance(p, Media) for p in parts):
+                raise InvalidRequest(f"the projector made no tokens of these {kind}")
+            return Piece(tuple(parts))
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)
 
     def encode(self, media: Media) -> None:
-        """Run the projector on an image without a text context (trial loads)."""
+        """Run the projector on an image or window without a text context (trial loads)."""
         status = mtmd.mtmd_encode_chunk(self.ctx, media.chunk)
         if status != 0:
-            raise RuntimeError(f"encoding an image failed with status {status}")
+            raise RuntimeError(f"encoding media failed with status {status}")
 
     def evaluate(self, lctx: Any, media: Media, n_past: int, seq: int, n_batch: int) -> int:
-        """Engine thread: encode the image and decode it into `seq` at `n_past`. Returns
-        the positions it took."""
+        """Engine thread: encode the image or window and decode it into `seq` at
+        `n_past`. Returns the positions it took."""
         new_n_past = ll.llama_pos(0)
         status = mtmd.mtmd_helper_eval_chunk_single(
             self.ctx, lctx, media.chunk, n_past, seq, n_batch, False, ctypes.byref(new_n_past)
         )
         if status != 0:
-            raise RuntimeError(f"evaluating an image failed with status {status}")
+            raise RuntimeError(f"evaluating media failed with status {status}")
         return int(new_n_past.value) - n_past
 
 
@@ -208,3 +233,18 @@ def load_projector(path: Path, model: LlamaModel, *, threads: int, use_gpu: bool
         raise
     except Exception as exc:
         raise ModelLoadError(f"cannot load the projector {path.name}: {exc}") from exc
+
+
+def tone_wav(seconds: float = 1.0, rate: int = 16000, hz: float = 440.0) -> bytes:
+    """A WAV of a sine tone (16-bit mono PCM), written by hand: trial loads and tests
+    need a clip without an audio library."""
+    n = int(seconds * rate)
+    step = 2 * math.pi * hz / rate
+    samples = array.array("h", (int(12000 * math.sin(step * i)) for i in range(n)))
+    if sys.byteorder == "big":
+        samples.byteswap()
+    pcm = samples.tobytes()
+    fmt = struct.pack("<HHIIHH", 1, 1, rate, rate * 2, 2, 16)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", len(pcm)) + pcm
+    return b"RIFF" + struct.pack("<I", len(body)) + body
