@@ -61,6 +61,13 @@ class LimitsConfig(_Section, frozen=True):
     max_image_bytes: int = 10 * 1024 * 1024
     # One image's pixels, from its header (a small file may declare a huge picture).
     max_image_pixels: int = 50_000_000
+    max_audio_clips: int = 8  # audio clips in one request
+    # One clip's bytes (OpenAI's upload limit; inline clips also count against
+    # max_request_body_bytes).
+    max_audio_bytes: int = 25 * 1024 * 1024
+    # One clip's length, read from its header (and for MP3 and FLAC its frames) before
+    # anything decodes it: a few kilobytes may hold hours of silence.
+    max_audio_seconds: float = 600.0
 
 
 class ResponsesConfig(_Section, frozen=True):

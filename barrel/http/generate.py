@@ -27,7 +27,7 @@ from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import STAMP, Begin, Comment, Data, Encoder, EndMarker, Frame, Stamp
 from barrel.http.keys import API_KEY, CONFIG, MODELS
 from barrel.http.sse import SseWriter
-from barrel.pipeline import generate, images
+from barrel.pipeline import audio, generate, images
 from barrel.pipeline.request import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -141,15 +141,22 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 
 async def with_images(request: web.Request, req: GenerateRequest) -> GenerateRequest:
-    """`req` with its images' bytes in hand (barrel.pipeline.images). A model without a
-    projector is a 400 first, before any load or download."""
-    if not images.count(req):
+    """`req` with its images' and audio clips' bytes in hand (barrel.pipeline.images,
+    .audio). A model without a projector that reads them is a 400 first, before any
+    load or download."""
+    n_images, n_clips = images.count(req), audio.count(req)
+    if not n_images and not n_clips:
         return req
     models = request.app[MODELS]
     shown = await models.manage.show(req.model)
-    if "vision" not in shown.get("capabilities", []):
+    capabilities = shown.get("capabilities", [])
+    if n_images and "vision" not in capabilities:
         raise InvalidRequest(images.REFUSAL)
-    return await images.load(req, request.app[CONFIG].limits, models.fetch_image)
+    if n_clips and "audio" not in capabilities:
+        raise InvalidRequest(audio.REFUSAL)
+    limits = request.app[CONFIG].limits
+    req = await audio.load(req, limits)
+    return await images.load(req, limits, models.fetch_image)
 
 
 async def serve(
@@ -160,9 +167,11 @@ async def serve(
     *,
     stamp: Stamp = STAMP,
     finished: Callable[[], Awaitable[None] | None] | None = None,
+    reply: Callable[[dict[str, Any]], web.StreamResponse] = web.json_response,
 ) -> web.StreamResponse:
     """Run `req` and answer it through `encoder` (see the module's docstring).
-    `finished()` runs once the generation ended well, before the last frames go out."""
+    `finished()` runs once the generation ended well, before the last frames go out;
+    `reply(encoder.full())` is the response when nothing streams."""
     limits = request.app[CONFIG].limits
     generate.check(req, limits)
     req = msgspec.structs.replace(req, scope=scope_of(request))
@@ -203,7 +212,7 @@ async def serve(
                 if done is not None:
                     await done
             if transport is None:
-                return web.json_response(encoder.full())
+                return reply(encoder.full())
             await transport.write(frames)
     except ConnectionError:
         raise  # the client went away: nobody to tell

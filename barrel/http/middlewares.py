@@ -172,6 +172,17 @@ async def cors_preflight(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 UNSAFE_METHODS = frozenset(("POST", "PUT", "PATCH", "DELETE"))
+# Audio uploads (barrel.http.openai_audio): multipart forms read part by part, each part
+# bounded there; the whole body may hold a clip of `limits.max_audio_bytes` and its fields.
+AUDIO_UPLOADS = frozenset(
+    (
+        "/v1/audio/transcriptions",
+        "/audio/transcriptions",
+        "/v1/audio/translations",
+        "/audio/translations",
+    )
+)
+AUDIO_FORM_SLACK = 1024 * 1024
 # Origins a local tool's page may have, allowed as Ollama allows them by default.
 _LOCAL_ORIGIN = re.compile(
     r"^(https?://(localhost|127\.0\.0\.1|\[::1\]|0\.0\.0\.0)(:\d+)?"
@@ -230,10 +241,15 @@ async def body_cap(request: web.Request, handler: Handler) -> web.StreamResponse
         return await handler(request)  # model uploads are streamed to disk, not read whole
     limits = request.app[CONFIG].limits
     cap = limits.max_request_body_bytes
+    upload = request.path in AUDIO_UPLOADS  # a multipart form, read part by part
+    if upload:
+        cap = max(cap, limits.max_audio_bytes + AUDIO_FORM_SLACK)
     if request.content_length is not None and request.content_length > cap:
         raise PayloadTooLarge(
             f"request body of {request.content_length} bytes exceeds the limit of {cap} bytes"
         )
+    if upload:
+        return await handler(request)
     # Read once here (aiohttp keeps it for the handler): a body nested deeper than any
     # request needs is a 400 before a parser recurses into it.
     if (

@@ -37,10 +37,10 @@ import msgspec
 
 from barrel.engine.engine import Engine
 from barrel.engine.kvcache import common_prefix
+from barrel.engine.projector import Media, Piece
 from barrel.engine.types import Done, GenerationRequest, SamplingParams, SessionId
 from barrel.engine.types import TokenLogprob as EngineLogprob
 from barrel.engine.types import Usage as EngineUsage
-from barrel.engine.vision import Media, Piece
 from barrel.errors import InvalidRequest
 from barrel.pipeline.events import (
     ChatEvent,
@@ -106,7 +106,7 @@ class Prepared:
     thinking_template: bool = False  # the template knows <think> blocks
     # control tokens the parser must see in the output
     preserve: frozenset[int] = frozenset()
-    # the images whose placeholders are in the prompt (barrel.engine.vision)
+    # the images whose placeholders are in the prompt (barrel.engine.projector)
     media: tuple[Media, ...] = ()
     # the template's end of turn and next user header (GenerationRequest.next_turn)
     next_turn: tuple[int, ...] = ()
@@ -243,7 +243,7 @@ def prepare(
             raise InvalidRequest(REFUSAL)
         pieces = read_images(req.images)
     prompt = _tokenize_prompt(prompt_text, messages, tokenize, control_tokens, tokenize_as, pieces)
-    media = {t: pieces[d].media for d in pieces if (t := pieces[d].media.token) in prompt}
+    media = {m.token: m for piece in pieces.values() for m in piece.media if m.token in prompt}
     fam = template_family if tools else family("generic")
     preserve: set[int] = set()
     if control_tokens is not None:

@@ -31,8 +31,8 @@ from barrel.config import LimitsConfig
 from barrel.engine.engine import Engine
 from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
 from barrel.errors import InvalidRequest
+from barrel.pipeline import audio, complete, images, servertools
 from barrel.pipeline import chat as chat_turn
-from barrel.pipeline import complete, images, servertools
 from barrel.pipeline.chat import ChatRequest, Prepared
 from barrel.pipeline.events import ChatEvent
 from barrel.pipeline.grammar import check_size, format_grammar
@@ -111,6 +111,7 @@ def check(req: GenerateRequest, limits: LimitsConfig) -> None:
     """What can be refused before any lease, whatever the dialect: every size the client
     chose is within `limits`."""
     images.check(req, limits)
+    audio.check(req, limits)
     stops = [*(req.options.stop or ()), *req.stop]
     if len(stops) > limits.max_stop:
         raise InvalidRequest(f"at most {limits.max_stop} stop strings are allowed", param="stop")
@@ -157,7 +158,7 @@ def template_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in messages:
         content = m.text
-        if m.images:
+        if m.media:
             content = "".join(
                 p.text if isinstance(p, TextPart) else images.image_marker(images.digest_of_part(p))
                 for p in m.parts
@@ -335,7 +336,7 @@ async def _render(session: ModelAccess, chat: ChatRequest, template: ChatTemplat
         detect_family(template.source),
         model.control_tokens,
         tokenize_as,
-        projector.images if projector is not None else None,
+        projector.read if projector is not None else None,
     )
 
 
@@ -393,7 +394,7 @@ async def _prepared(
         ignore_eos=req.ignore_eos,
         generation_prompt=req.generation_prompt,
         continue_final=req.continue_final,
-        images={images.digest_of_part(i): i.data for m in req.messages for i in m.images},
+        images={images.digest_of_part(i): i.data for m in req.messages for i in m.media},
     )
     prep = await _render(session, chat, template)
     await _compile(session, prep.grammar, limits)

@@ -28,7 +28,7 @@ import msgspec
 
 from barrel.config import LimitsConfig
 from barrel.errors import InvalidRequest
-from barrel.pipeline.request import GenerateRequest, ImagePart, Message
+from barrel.pipeline.request import AudioPart, GenerateRequest, ImagePart, Message
 
 Fetch = Callable[[str, int], Awaitable[bytes]]
 
@@ -45,8 +45,8 @@ def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def digest_of_part(image: ImagePart) -> str:
-    return image.digest or digest_of(image.data)
+def digest_of_part(part: ImagePart | AudioPart) -> str:
+    return part.digest or digest_of(part.data)
 
 
 def markers_of(digests: set[str]) -> re.Pattern[str]:

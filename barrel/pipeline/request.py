@@ -40,7 +40,18 @@ class ImagePart(msgspec.Struct, frozen=True, tag="image"):
     digest: str = ""  # the bytes' SHA-256 (hex), set once by barrel.pipeline.images.load
 
 
-Part = TextPart | ImagePart
+class AudioPart(msgspec.Struct, frozen=True, tag="audio"):
+    """An audio clip: its base64 text as the client sent it (decoded off the event loop
+    by barrel.pipeline.audio.load) or its bytes, and the format the client named (wav,
+    mp3, flac; the bytes' header decides). Models whose projector takes audio read it."""
+
+    data: bytes = b""
+    encoded: str = ""
+    format: str = ""
+    digest: str = ""  # the bytes' SHA-256 (hex), set once by barrel.pipeline.audio.load
+
+
+Part = TextPart | ImagePart | AudioPart
 
 
 class ToolCall(msgspec.Struct, frozen=True):
@@ -66,6 +77,15 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def images(self) -> tuple[ImagePart, ...]:
         return tuple(p for p in self.parts if isinstance(p, ImagePart))
+
+    @property
+    def audio(self) -> tuple[AudioPart, ...]:
+        return tuple(p for p in self.parts if isinstance(p, AudioPart))
+
+    @property
+    def media(self) -> tuple[ImagePart | AudioPart, ...]:
+        """Images and audio clips: what the model's projector reads."""
+        return tuple(p for p in self.parts if isinstance(p, ImagePart | AudioPart))
 
 
 def text(role: Role, content: str) -> Message:

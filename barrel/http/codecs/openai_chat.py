@@ -1,9 +1,9 @@
 """OpenAI's chat completions as a codec.
 
 Requests decode into the neutral request: developer becomes system, text parts are
-joined, image parts become image parts (read by models with a projector, a 400 for
-others),
-assistant tool-call arguments are parsed from their JSON strings. Events encode as a
+joined, image and `input_audio` parts become image and audio parts (read by models
+whose projector takes them, a 400 for others), assistant tool-call arguments are parsed
+from their JSON strings. Events encode as a
 `chat.completion`, or as `chat.completion.chunk` frames ending with `[DONE]`: the role
 chunk goes out with the first event, reasoning as `reasoning_content` (as llama-server
 and DeepSeek send it), tool calls as whole calls (one delta each), `n > 1` as choices of
@@ -52,6 +52,7 @@ from barrel.pipeline.events import (
     Usage,
 )
 from barrel.pipeline.request import (
+    AudioPart,
     Dialect,
     GenerateRequest,
     ImagePart,
@@ -87,11 +88,22 @@ class ChatBody(Knobs, kw_only=True):
 
 TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
 IMAGE_PARTS = ("image_url", "input_image")
-REFUSED_PARTS = ("input_audio", "file", "input_file")
+REFUSED_PARTS = ("file", "input_file")
+
+
+def _audio(part: dict[str, Any], param: str) -> AudioPart:
+    """`{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}`."""
+    inner = part.get("input_audio")
+    if not isinstance(inner, dict) or not isinstance(inner.get("data"), str):
+        raise InvalidRequest(f"{param}.input_audio.data must be a base64 string", param=param)
+    fmt = inner.get("format", "")
+    if not isinstance(fmt, str):
+        raise InvalidRequest(f"{param}.input_audio.format must be a string", param=param)
+    return AudioPart(encoded=inner["data"], format=fmt.lower())
 
 
 def parts_of(content: Any, param: str) -> tuple[Part, ...]:
-    """A message's content: a string, or text and image parts (audio and files are
+    """A message's content: a string, or text, image and audio parts (files are
     refused)."""
     if content is None or content == "":
         return ()
@@ -110,6 +122,9 @@ def parts_of(content: Any, param: str) -> tuple[Part, ...]:
             url = part.get("image_url")
             url = url.get("url", "") if isinstance(url, dict) else url
             out.append(ImagePart(url=str(url or "")))
+        elif kind == "input_audio":
+            assert isinstance(part, dict)
+            out.append(_audio(part, f"{param}[{i}]"))
         elif kind in REFUSED_PARTS:
             raise InvalidRequest(
                 f"this model reads text only; {kind} parts are not supported",
@@ -121,9 +136,10 @@ def parts_of(content: Any, param: str) -> tuple[Part, ...]:
 
 
 def text_of(content: Any, param: str) -> str:
-    """Text-only content (system prompts, tool results): image parts are refused."""
+    """Text-only content (system prompts, tool results): image and audio parts are
+    refused."""
     parts = parts_of(content, param)
-    if any(isinstance(p, ImagePart) for p in parts):
+    if any(not isinstance(p, TextPart) for p in parts):
         raise InvalidRequest(f"{param} must be text", param=param)
     return "".join(p.text for p in parts if isinstance(p, TextPart))
 
