@@ -1,6 +1,7 @@
-"""The daemon the contract is checked against: the tiny model, the tiny reranker, and an
-Ollama registry on 127.0.0.1 that holds `tiny-pulled` (what openapi.yaml's examples name),
-so every example is served as documented."""
+"""The daemon the contract is checked against: the tiny model, the tiny reranker, the
+tiny model hearing through the tiny audio projector, and an Ollama registry on 127.0.0.1
+that holds `tiny-pulled` (what openapi.yaml's examples name), so every example is served
+as documented."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from barrel.store.synthetic import tiny_model, tiny_reranker
+from barrel.store.synthetic import tiny_audio_projector, tiny_model, tiny_reranker
 from tests.daemon import Daemon, serve_models
 from tests.registry_server import RegistryServer
 
@@ -33,10 +34,14 @@ def live_daemon(tmp: Path) -> Iterator[Live]:
     (tmp / "registry").mkdir(parents=True, exist_ok=True)
     registry = RegistryServer(tmp / "registry")
     registry.add_ollama_model("library/tiny-pulled", "latest", tiny_model())
-    config = f'[registry.hosts]\n"registry.ollama.ai" = "{registry.url}"\n'
-    # a short context: fuzzed requests that generate to its end finish soon
-    models = {"tiny": tiny_model(), "tiny-rerank": tiny_reranker()}
-    daemon = serve_models(tmp, models, config=config, context=512)
+    config = (
+        f'projectors = {{ "tiny-audio" = "{tiny_audio_projector()}" }}\n'
+        f'[registry.hosts]\n"registry.ollama.ai" = "{registry.url}"\n'
+    )
+    # a short context (fuzzed requests that generate to its end finish soon), with room
+    # for one 30-second window of audio (750 tokens)
+    models = {"tiny": tiny_model(), "tiny-rerank": tiny_reranker(), "tiny-audio": tiny_model()}
+    daemon = serve_models(tmp, models, config=config, context=1024)
     try:
         yield Live(daemon, registry)
     finally:

@@ -24,6 +24,7 @@ from tests.contract.spec import (
     sse_data,
     validator,
 )
+from tests.sounds import tone_wav
 
 # The stateful flows first, in the order their links lead (the example blob is not a GGUF:
 # its link to create is left to the fuzzer's stateful phase); prune last (it removes the
@@ -118,6 +119,9 @@ class Replay:
             if stream:
                 body["stream"] = True
             kwargs["json"] = body
+        elif op.request_media == "multipart/form-data":  # an audio form: a real clip
+            kwargs["data"] = {k: str(v) for k, v in example.items() if k != "file"}
+            kwargs["files"] = {"file": ("clip.wav", tone_wav(0.5))}
         elif op.request_media is not None:
             kwargs["content"] = str(example).encode()
         response = self.client.request(op.method.upper(), url, **kwargs)
