@@ -315,6 +315,9 @@ async def cold_prefill(session: aiohttp.ClientSession, url: str, round_no: int, 
     return prompt / ttft
 
 
+TRACE = bool(os.environ.get("BARREL_BENCH_TRACE"))  # print each arrival's first token
+
+
 def arrival_plan(rate: float, count: int, seed: int) -> list[tuple[float, int]]:
     """(seconds after the start, prompt tokens) of `count` requests arriving as a Poisson
     process of `rate` a second, prompts of 300-2,600 tokens."""
@@ -346,6 +349,8 @@ async def arrivals(
         text = f"{document(size, seed)}\nSummarise these entries."
         body = {"messages": [{"role": "user", "content": text}], "max_tokens": 64}
         ttft, chunks, _ = await first_token(session, url, {**body, "ignore_eos": True})
+        if TRACE:  # one line a request, to pair the servers' requests afterwards
+            print(f"  {url} {rate:g}/s #{i} at {at:.1f}s {size} tok ttft {ttft:.2f}s", flush=True)
         return ttft, [ttft, *chunks], len(chunks) + 1
 
     done = await asyncio.gather(*(one(i, at, size) for i, (at, size) in enumerate(plan)))
