@@ -8,17 +8,9 @@ import math
 import struct
 
 from barrel.engine.projector import tone_wav
+from barrel.pipeline.audio import crc8
 
 __all__ = ["flac", "flac_bomb", "tone_wav", "wav_declaring"]
-
-
-def _crc8(data: bytes) -> int:
-    crc = 0
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x07) & 0xFF if crc & 0x80 else (crc << 1) & 0xFF
-    return crc
 
 
 def _crc16(data: bytes) -> int:
@@ -49,7 +41,7 @@ def _frame(index: int, block: int, subframe: bytes) -> bytes:
     # fixed-size stream, block size in the header (code 7), rate from the stream info,
     # mono, 16 bits a sample
     header = b"\xff\xf8" + bytes([0x70, 0x08]) + _utf8(index) + (block - 1).to_bytes(2, "big")
-    header += bytes([_crc8(header)])
+    header += bytes([crc8(header)])
     body = header + subframe
     return body + _crc16(body).to_bytes(2, "big")
 

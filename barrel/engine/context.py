@@ -98,7 +98,8 @@ class EngineOptions:
     # A finished conversation's sequence gets its template's next-turn header after this
     # long without a request (NextTurns.decode, barrel.engine.turns).
     next_turn_delay_s: float = 0.2
-    # A multimodal projector GGUF (barrel.engine.projector): the model then reads images.
+    # A multimodal projector GGUF (barrel.engine.projector): the model then reads images
+    # or audio, whichever its encoders take.
     mmproj: Path | None = None
     # A KV stream of n_ctx cells for each sequence (the context is allocated n_seq_max
     # + max_pins times, as llama-server's -np does) instead of one stream all share:

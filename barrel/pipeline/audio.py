@@ -194,7 +194,8 @@ _FLAC_SYNC = re.compile(b"\xff[\xf8\xf9]")
 _FLAC_BLOCKS = (0, 192, 576, 1152, 2304, 4608, None, None, *(256 << i for i in range(8)))
 
 
-def _crc8(data: bytes) -> int:
+def crc8(data: bytes) -> int:
+    """FLAC's frame-header CRC-8 (polynomial 0x07)."""
     crc = 0
     for byte in data:
         crc ^= byte
@@ -233,7 +234,7 @@ def _flac_frame(data: bytes, at: int) -> int:
         block = int.from_bytes(h[i : i + size], "big") + 1
         i += size
     i += {12: 1, 13: 2, 14: 2}.get(rate_code, 0)
-    if i >= len(h) or _crc8(h[:i]) != h[i]:
+    if i >= len(h) or crc8(h[:i]) != h[i]:
         return 0
     return block
 

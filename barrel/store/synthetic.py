@@ -232,6 +232,32 @@ def write_small_gguf(path: Path, padding_bytes: int = 0, seed: int = 5) -> Path:
     return path
 
 
+def _encoder_blocks(
+    w: gguf.GGUFWriter,
+    prefix: str,
+    n_layer: int,
+    d: int,
+    ff: int,
+    weight: Callable[..., np.ndarray],
+    key_bias: bool = True,
+) -> None:
+    """A clip encoder's transformer blocks (`v.blk.N`, `a.blk.N`): attention with
+    biases, two layer norms, a GELU feed-forward; random weights, unit norms."""
+    for i in range(n_layer):
+        b = f"{prefix}.blk.{i}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{b}.{name}.weight", weight(d, d).astype(np.float16))
+            if key_bias or name != "attn_k":
+                w.add_tensor(f"{b}.{name}.bias", np.zeros(d, dtype=np.float32))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"{b}.{name}.weight", np.ones(d, dtype=np.float32))
+            w.add_tensor(f"{b}.{name}.bias", np.zeros(d, dtype=np.float32))
+        w.add_tensor(f"{b}.ffn_up.weight", weight(ff, d).astype(np.float16))
+        w.add_tensor(f"{b}.ffn_up.bias", np.zeros(ff, dtype=np.float32))
+        w.add_tensor(f"{b}.ffn_down.weight", weight(d, ff).astype(np.float16))
+        w.add_tensor(f"{b}.ffn_down.bias", np.zeros(d, dtype=np.float32))
+
+
 @dataclass(frozen=True)
 class ProjectorShape:
     """A LLaVA-style CLIP projector ("mlp") sized for the tiny model: a 32x32 image in
@@ -280,18 +306,7 @@ def write_tiny_projector(
     p = shape.patch_size
     w.add_tensor("v.patch_embd.weight", weight(d, 3, p, p).astype(np.float16))
     w.add_tensor("v.position_embd.weight", weight(n_pos, d))
-    for i in range(shape.n_layer):
-        b = f"v.blk.{i}"
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"{b}.{name}.weight", weight(d, d).astype(np.float16))
-            w.add_tensor(f"{b}.{name}.bias", np.zeros(d, dtype=np.float32))
-        for name in ("ln1", "ln2"):
-            w.add_tensor(f"{b}.{name}.weight", np.ones(d, dtype=np.float32))
-            w.add_tensor(f"{b}.{name}.bias", np.zeros(d, dtype=np.float32))
-        w.add_tensor(f"{b}.ffn_up.weight", weight(ff, d).astype(np.float16))
-        w.add_tensor(f"{b}.ffn_up.bias", np.zeros(ff, dtype=np.float32))
-        w.add_tensor(f"{b}.ffn_down.weight", weight(d, ff).astype(np.float16))
-        w.add_tensor(f"{b}.ffn_down.bias", np.zeros(d, dtype=np.float32))
+    _encoder_blocks(w, "v", shape.n_layer, d, ff, weight)
     w.add_tensor("mm.0.weight", weight(text.n_embd, d).astype(np.float16))
     w.add_tensor("mm.0.bias", np.zeros(text.n_embd, dtype=np.float32))
     w.add_tensor("mm.2.weight", weight(text.n_embd, text.n_embd, scale=1.0).astype(np.float16))
@@ -359,19 +374,8 @@ def write_tiny_audio_projector(
     w.add_tensor("a.conv1d.2.weight", weight(d, d, 3).astype(np.float16))
     w.add_tensor("a.conv1d.2.bias", np.zeros((d, 1), dtype=np.float32))
     w.add_tensor("a.position_embd.weight", weight(1500, d))
-    for i in range(shape.n_layer):
-        b = f"a.blk.{i}"
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"{b}.{name}.weight", weight(d, d).astype(np.float16))
-            if name != "attn_k":  # Whisper's key projection has no bias
-                w.add_tensor(f"{b}.{name}.bias", np.zeros(d, dtype=np.float32))
-        for name in ("ln1", "ln2"):
-            w.add_tensor(f"{b}.{name}.weight", np.ones(d, dtype=np.float32))
-            w.add_tensor(f"{b}.{name}.bias", np.zeros(d, dtype=np.float32))
-        w.add_tensor(f"{b}.ffn_up.weight", weight(ff, d).astype(np.float16))
-        w.add_tensor(f"{b}.ffn_up.bias", np.zeros(ff, dtype=np.float32))
-        w.add_tensor(f"{b}.ffn_down.weight", weight(d, ff).astype(np.float16))
-        w.add_tensor(f"{b}.ffn_down.bias", np.zeros(d, dtype=np.float32))
+    # Whisper's key projection has no bias
+    _encoder_blocks(w, "a", shape.n_layer, d, ff, weight, key_bias=False)
     w.add_tensor("a.post_ln.weight", np.ones(d, dtype=np.float32))
     w.add_tensor("a.post_ln.bias", np.zeros(d, dtype=np.float32))
     w.add_tensor("mm.a.fc.weight", weight(text.n_embd, d, scale=1.0).astype(np.float16))

@@ -191,7 +191,7 @@ class AudioEncoder:
             return {"text": render(fmt, text, self.seconds)}
         if fmt == "verbose_json":
             return {
-                "task": "translate" if self.form.task == "translate" else "transcribe",
+                "task": self.form.task,
                 "language": "english"
                 if self.form.task == "translate"
                 else self.form.language or "unknown",
