@@ -311,3 +311,25 @@ def test_a_modelfile_second_from_adds_an_audio_projector(daemon: Daemon, hearing
         model="tiny-hearing",
     )
     assert reply.usage.prompt_tokens > WINDOW_TOKENS  # type: ignore[attr-defined]
+
+
+def test_a_browser_page_uploads_audio_only_from_an_allowed_origin(daemon: Daemon) -> None:
+    """A multipart form needs no CORS preflight: a foreign page's upload is refused
+    before it is read; a local tool's page may send one."""
+    form = {"model": "tiny-audio", "response_format": "text", "max_tokens": "4"}
+
+    def upload(origin: str) -> httpx.Response:
+        return httpx.post(
+            daemon.url + "/v1/audio/transcriptions",
+            data=form,
+            files={"file": ("x.wav", io.BytesIO(tone_wav(0.5)))},
+            headers={"Origin": origin},
+            timeout=60,
+        )
+
+    refused = upload("https://evil.example")
+    assert refused.status_code == 403, refused.text
+    assert "not allowed" in refused.json()["error"]["message"]
+    served = upload("http://localhost:3000")
+    assert served.status_code == 200, served.text
+    assert served.headers["content-type"].startswith("text/plain")

@@ -199,7 +199,8 @@ async def origin_check(request: web.Request, handler: Handler) -> web.StreamResp
     """A web page in the user's browser may not change anything: a request that carries
     an Origin (browsers always send it on cross-origin requests) must come from an
     allowed origin (`cors.allow_origins`, or a local tool's page), and send JSON as JSON,
-    which a page cannot do without a CORS preflight. Clients without an Origin (SDKs,
+    which a page cannot do without a CORS preflight (an audio upload is a form, from an
+    allowed page only). Clients without an Origin (SDKs,
     curl, whose -d sends a form content type) are not concerned."""
     origin = request.headers.get("Origin")
     if origin is None or request.method not in UNSAFE_METHODS:
@@ -207,7 +208,9 @@ async def origin_check(request: web.Request, handler: Handler) -> web.StreamResp
     config = request.app[CONFIG]
     if not (_origin_allowed(config, origin) or _LOCAL_ORIGIN.match(origin)):
         raise Forbidden(f"requests from a page at {origin!r} are not allowed (cors.allow_origins)")
-    if not request.path.startswith("/api/blobs/") and not _is_json(request.content_type):
+    # an allowed page's audio upload is a form (barrel.http.openai_audio)
+    form = request.path in AUDIO_UPLOADS and request.content_type == "multipart/form-data"
+    if not (request.path.startswith("/api/blobs/") or form or _is_json(request.content_type)):
         raise UnsupportedMediaType(
             f"a browser request must send JSON as application/json, not {request.content_type}"
         )
