@@ -18,6 +18,7 @@ from llguidance import LLMatcher
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.errors import InvalidGrammar
 from barrel.engine.model import LlamaModel
+from barrel.engine.observer import NoObserver
 from barrel.engine.types import Done, FinishReason, GenerationRequest, SamplingParams
 from barrel.pipeline.grammar import choice_lark, json_schema_grammar
 
@@ -83,6 +84,44 @@ async def test_forced_tokens_are_appended_without_sampling(
     assert engine.verifier.forced_tokens > 0
     assert engine.verifier.forced_tokens < len(done.tokens)
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+class StepSizes(NoObserver):
+    """The rows of each decoded step."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def step(self, tokens: int, active: int, kv_cells: int, seconds: float) -> None:
+        self.rows.append(tokens)
+
+
+async def test_the_grammar_s_forced_start_is_read_with_the_prompt(model: LlamaModel) -> None:
+    sizes = StepSizes()
+    engine = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=2), observer=sizes).start()
+    try:
+        grammar = json_schema_grammar(SCHEMA)
+        start = engine.grammars.matcher(grammar).compute_ff_tokens()  # `{"name": "`
+        assert len(start) > 1
+        params = SamplingParams(grammar=grammar, temperature=0.0)
+        prompt = model.tokenize("Answer:")
+        request = GenerationRequest(prompt, params, max_tokens=300)
+        deltas, done = await engine.submit(request).collect()
+        # the step that read the prompt decoded the forced start after it, and the
+        # first token sampled came from that step
+        assert sizes.rows[0] == len(prompt) + len(start)
+        assert list(done.tokens[: len(start)]) == start
+        assert engine.verifier is not None
+        assert engine.verifier.forced_tokens >= len(start)
+        jsonschema.validate(json.loads("".join(d.text for d in deltas)), SCHEMA)
+        # as many as the request allows: the forced start is output like any token
+        for limit in (1, 2):
+            request = GenerationRequest(prompt, params, max_tokens=limit)
+            _, done = await engine.submit(request).collect()
+            assert list(done.tokens) == start[:limit]
+            assert done.finish_reason is FinishReason.LENGTH
+    finally:
+        await asyncio.to_thread(engine.stop)
 
 
 async def test_regex_and_choice_grammars(engine: Engine, model: LlamaModel) -> None:

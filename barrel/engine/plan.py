@@ -1,10 +1,11 @@
 """Batch planning: what one step decodes. Each generating sequence's pending token and
 its draft (barrel.engine.verify), then chunks of the prompts being prefilled, the one
 with the fewest rows left first, as many rows as the prefill budget allows beside
-generating sequences (more while prompts outnumber them), then pinned prefixes; with a
-KV stream per sequence, rows ordered so the step is one micro-batch, and running
-sequences moved to close a gap between their ids. Owns the batch's contents, the rate
-prompt rows cost lately and the pinned prefixes' rows of this step; engine thread."""
+generating sequences (more while prompts outnumber them), a grammar's forced start right
+after a prompt's last token, then pinned prefixes; with a KV stream per sequence, rows
+ordered so the step is one micro-batch, and running sequences moved to close a gap
+between their ids. Owns the batch's contents, the rate prompt rows cost lately and the
+pinned prefixes' rows of this step; engine thread."""
 
 from __future__ import annotations
 
@@ -125,6 +126,8 @@ class Planner:
                 if last:
                     index = i
             entries.append((run, index, take))
+            if index >= 0:
+                self.force_start(run)
         self.pins = pins
         for job, take in pins:
             for pos in range(job.n_past, job.n_past + take):
@@ -133,6 +136,21 @@ class Planner:
             # Only pins in this batch: llama_decode needs one output somewhere.
             b.raw.logits[b.n - 1] = True
         return entries
+
+    def force_start(self, run: Run) -> None:
+        """The tokens `run`'s grammar forces before its first choice (a schema's
+        `{"name": "`, a forced tool call's opening), decoded in the step that reads the
+        prompt's last token, right after it: taken as a forced draft (Verifier), so the
+        first sampled token comes from this step, one step sooner."""
+        run.draft, run.forced = [], False
+        if run.req.max_tokens == 0:
+            return
+        assert run.slot is not None
+        draft = self.verifier.forced(run, self.batch.capacity - self.batch.n)
+        last = len(draft) - 1
+        for j, token in enumerate(draft):
+            self.batch.add(token, len(run.req.prompt) + j, run.slot.seq, j == last)
+        run.draft, run.forced = draft, bool(draft)
 
     def timed(self, seconds: float) -> None:
         """The batch decoded in `seconds`: a step with enough prompt rows times a row."""

@@ -63,10 +63,10 @@ class Verifier:
 
     def _room(self, run: Run, room: int) -> int:
         """Draft tokens `run` can verify: within `room`, the context and its token limit."""
-        room = min(room, self.n_ctx - run.n_past - 2)
+        room = min(room, self.n_ctx - max(run.n_past, len(run.req.prompt)) - 2)
         if run.req.max_tokens is not None:
             room = min(room, run.req.max_tokens - len(run.generated) - 1)
-        return room
+        return max(room, 0)
 
     def _guesses(self, generating: list[Run]) -> dict[int, list[int]]:
         """The draft model's tokens for the generating sequences (none with images: the
