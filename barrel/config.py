@@ -115,6 +115,9 @@ class ModelDefaults(_Section, frozen=True):
     # gives new prompts their first token sooner and the running streams a longer pause.
     # 0: 128 prompt rows a step.
     prefill_step_s: float = 2.0
+    # Prompts read at once take a step's rows in "arrival" order, or "shortest" first
+    # (the oldest keeps a quarter).
+    prefill_order: str = "arrival"
     num_thread: int = 0  # 0: the machine's cores
     kv_cache_type: str = "f16"  # f16 | q8_0 | q4_0
     flash_attn: str = "auto"  # auto | on | off
@@ -348,6 +351,8 @@ def validate(config: Config, source: str) -> None:
         errors.append("models.max_context_size: must be at least 64")
     if not 0 <= config.models.defaults.prefill_step_s <= 60:
         errors.append("models.defaults.prefill_step_s: must be 0 to 60")
+    if config.models.defaults.prefill_order not in ("shortest", "arrival"):
+        errors.append('models.defaults.prefill_order: must be "shortest" or "arrival"')
     if config.models.defaults.num_seq_max < 1:
         errors.append("models.defaults.num_seq_max: must be at least 1")
     if config.models.defaults.kv_cache_type not in ("f16", "q8_0", "q4_0"):

@@ -72,6 +72,7 @@ VARIANTS = {
     "extra-buffers-tiled": "extra_buffers = true",  # both prefill kernels llama-server has
     # llama-server's kernels: repacked weights, the tiled matmul and flash attention
     "llama-kernels": 'extra_buffers = true\nflash_attn = "on"',
+    "arrival": 'prefill_order = "arrival"',  # prompts read in the order they came
 }
 # ... and the environment of each, where it differs
 VARIANT_ENV = {

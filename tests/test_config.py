@@ -53,6 +53,8 @@ def test_value_checks_name_every_bad_key() -> None:
         config.decode('[server]\nport = 70000\n[models]\ndefault_keep_alive = "soon"\n')
     assert "server.port" in info.value.message
     assert "models.default_keep_alive" in info.value.message
+    with pytest.raises(ConfigError, match=r"models\.defaults\.prefill_order"):
+        config.decode('[models.defaults]\nprefill_order = "random"\n')
 
 
 def test_invalid_toml_is_a_config_error() -> None:

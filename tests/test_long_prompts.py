@@ -118,7 +118,8 @@ async def test_a_short_prompt_beside_a_long_one_reads_first(model: LlamaModel) -
     as it does alone."""
     prompt = long_prompt(model, 4)
     expected = await alone(model, prompt)
-    e = Engine(model, EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64)).start()
+    opts = EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64, prefill_order="shortest")
+    e = Engine(model, opts).start()
     try:
         running = e.submit(GenerationRequest(model.tokenize("Story:"), max_tokens=4000))
         await anext(running)
@@ -147,7 +148,8 @@ def _run(rid: int, tokens: int) -> Run:
 def test_the_step_s_rows_go_to_the_shortest_prompt_and_a_quarter_to_the_oldest(
     model: LlamaModel,
 ) -> None:
-    e = Engine(model, EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64))
+    opts = EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64, prefill_order="shortest")
+    e = Engine(model, opts)
     try:
         old, short, middle = _run(1, 1000), _run(2, 100), _run(3, 300)
         shares = e.planner.shares([old, short, middle], 256)
@@ -156,6 +158,19 @@ def test_the_step_s_rows_go_to_the_shortest_prompt_and_a_quarter_to_the_oldest(
         shares = e.planner.shares([short, old, middle], 256)
         assert [(r.id, n) for r, n in shares] == [(2, 100), (3, 156)]
         assert [(r.id, n) for r, n in e.planner.shares([old], 256)] == [(1, 256)]
+    finally:
+        e.stop()
+
+
+def test_in_arrival_order_the_first_prompt_is_read_whole_before_the_next(
+    model: LlamaModel,
+) -> None:
+    e = Engine(model, EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64))  # the default
+    try:
+        old, short, middle = _run(1, 1000), _run(2, 100), _run(3, 300)
+        assert [(r.id, n) for r, n in e.planner.shares([old, short, middle], 256)] == [(1, 256)]
+        shares = e.planner.shares([short, middle, old], 256)
+        assert [(r.id, n) for r, n in shares] == [(2, 100), (3, 156)]
     finally:
         e.stop()
 

@@ -228,6 +228,7 @@ class Lifecycle:
             n_batch=int(params.get("num_batch", d.num_batch)),
             n_ubatch=int(params.get("num_batch", d.num_batch)),
             prefill_step_s=d.prefill_step_s,
+            prefill_order=d.prefill_order,
             n_seq_max=int(params.get("num_seq_max", d.num_seq_max)),
             threads=int(params.get("num_thread", d.num_thread)),
             kv_type=KVType(kv_type),

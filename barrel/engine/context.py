@@ -71,6 +71,10 @@ class EngineOptions:
     # token comes sooner when steps are quick, and no step stalls the streams much longer
     # than this. 0: prefill_chunk rows a step.
     prefill_step_s: float = 0.0
+    # Which prompt being prefilled takes a step's prompt rows first: "arrival" (in the
+    # order they were admitted, each whole before the next, as llama-server) or
+    # "shortest" (fewest rows left; the one admitted first keeps a quarter).
+    prefill_order: str = "arrival"
     # When a request wakes an idle engine, wait up to this long for the requests of other
     # open sessions (Engine.expect) to join its first step: concurrent clients arrive a
     # few milliseconds apart, and one that misses the step waits a whole decode step for

@@ -1,6 +1,7 @@
 """Batch planning: what one step decodes. Each generating sequence's pending token and
-its draft (barrel.engine.verify), then chunks of the prompts being prefilled, the one
-with the fewest rows left first, as many rows as the prefill budget allows beside
+its draft (barrel.engine.verify), then chunks of the prompts being prefilled, in the
+order they came (or the one with the fewest rows left first), as many rows as the
+prefill budget allows beside
 generating sequences (more while prompts outnumber them), a grammar's forced start right
 after a prompt's last token, then pinned prefixes; with a KV stream per sequence, rows
 ordered so the step is one micro-batch, and running sequences moved to close a gap
@@ -174,12 +175,15 @@ class Planner:
 
     def shares(self, prefilling: list[Run], budget: int) -> list[tuple[Run, int]]:
         """The step's prompt rows, `budget` of them, among the prompts being prefilled:
-        the prompt with the fewest rows left first (its first token comes soonest, and
+        in the order they were admitted (`_in_order`), or with `prefill_order`
+        "shortest" the prompt with the fewest rows left first (its first token comes soonest, and
         the others wait for it least), but the one admitted first (the roster keeps
         arrival order) is sure of a quarter of them, so a long prompt moves on while
         short ones keep coming."""
         if not prefilling:
             return []
+        if self.options.prefill_order != "shortest":
+            return self._in_order(prefilling, budget)
         oldest = prefilling[0]
         order = sorted(prefilling, key=lambda r: len(r.req.prompt) - r.n_past)
         held = 0 if order[0] is oldest else max(1, budget // 4)
@@ -192,6 +196,17 @@ class Planner:
             if take:
                 out.append((run, take))
                 left -= take
+        return out
+
+    def _in_order(self, prefilling: list[Run], budget: int) -> list[tuple[Run, int]]:
+        """`budget` rows to the prompts in the order they were admitted: the first
+        whole before the next."""
+        out: list[tuple[Run, int]] = []
+        for run in prefilling:
+            take = self.chunk(run, budget) if budget > 0 else 0
+            if take:
+                out.append((run, take))
+                budget -= take
         return out
 
     def close_gap(self) -> None:
