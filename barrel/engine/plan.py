@@ -1,12 +1,11 @@
 """Batch planning: what one step decodes. Each generating sequence's pending token and
 its draft (barrel.engine.verify), then chunks of the prompts being prefilled, in the
 order they came (or the one with the fewest rows left first), as many rows as the
-prefill budget allows beside
-generating sequences (more while prompts outnumber them), a grammar's forced start right
-after a prompt's last token, then pinned prefixes; with a KV stream per sequence, rows
-ordered so the step is one micro-batch, and running sequences moved to close a gap
-between their ids. Owns the batch's contents, the rate prompt rows cost lately and the
-pinned prefixes' rows of this step; engine thread."""
+prefill budget allows beside generating sequences (more while prompts outnumber them),
+a grammar's forced start right after a prompt's last token, then pinned prefixes; with a
+KV stream per sequence, rows ordered so the step is one micro-batch, and running
+sequences moved to close a gap between their ids. Owns the batch's contents, the rate
+prompt rows cost lately and the pinned prefixes' rows of this step; engine thread."""
 
 from __future__ import annotations
 
@@ -176,10 +175,10 @@ class Planner:
     def shares(self, prefilling: list[Run], budget: int) -> list[tuple[Run, int]]:
         """The step's prompt rows, `budget` of them, among the prompts being prefilled:
         in the order they were admitted (`_in_order`), or with `prefill_order`
-        "shortest" the prompt with the fewest rows left first (its first token comes soonest, and
-        the others wait for it least), but the one admitted first (the roster keeps
-        arrival order) is sure of a quarter of them, so a long prompt moves on while
-        short ones keep coming."""
+        "shortest" the prompt with the fewest rows left first (its first token comes
+        soonest, and the others wait for it least), but the one admitted first (the
+        roster keeps arrival order) is sure of a quarter of them, so a long prompt moves
+        on while short ones keep coming."""
         if not prefilling:
             return []
         if self.options.prefill_order != "shortest":
