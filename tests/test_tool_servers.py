@@ -466,7 +466,8 @@ def test_results_too_long_for_the_context_end_the_turn_as_it_stands(
             "messages": [{"role": "user", "content": "Use the flood tool."}],
             "tool_choice": "required",
             "mcp_servers": ["big"],
-            "max_tokens": 40,
+            "temperature": 0,  # sampled, a long `reason` could spend max_tokens before the call
+            "max_tokens": 100,
         },
         timeout=300,
     )
