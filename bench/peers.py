@@ -53,7 +53,7 @@ from pathlib import Path
 
 import aiohttp
 
-from barrel.engine.model import BATCH_INVARIANT_ENV, TILED_MATMUL_ENV
+from barrel.engine.model import BATCH_INVARIANT_ENV, TILED_MATMUL_ENV, cpu_has_amx
 from barrel.store import bundled
 from bench.http import CTX, start_daemon, wait_ready
 
@@ -142,9 +142,13 @@ def free_port() -> int:
 def start_llama_server(
     model: Path, *extra: str, ctx: int = CTX
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """llama-server on `model`; on a CPU with AMX without its repacked weights, which
+    the pinned llama.cpp puts in AMX buffers and then dies on (SIGILL), as Barrel's
+    `extra_buffers = "auto"` leaves them off there (guides/performance.md, "AMX")."""
     port = free_port()
     command = [str(llama_server()), "-m", str(model), "--port", str(port)]
     command += ["-c", str(ctx * PARALLEL), "-np", str(PARALLEL), "--jinja", *extra]
+    command += ["--no-repack"] if cpu_has_amx() else []
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}"
 
