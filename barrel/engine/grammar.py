@@ -152,14 +152,6 @@ class Constraint:
         self._check()
         return tokens
 
-    def forced_bytes(self) -> bytes:
-        """The bytes the grammar allows as the only continuation: those of `forced()`,
-        then any it holds back because a token could join them to what follows (the
-        `"` that opens a string value)."""
-        data = self._matcher.compute_ff_bytes()
-        self._check()
-        return data
-
     @property
     def stopped(self) -> bool:
         """The grammar is complete and allows nothing more (its end of text only)."""

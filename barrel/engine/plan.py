@@ -103,20 +103,19 @@ class Planner:
             self.one_ubatch(planned, chunks)
         n = len(planned) + sum(len(r.draft) for r in planned) + sum(t for _, t in chunks + pins)
         if not (self.kv.per_sequence and len(planned) > 1):
-            # a grammar's draft is left whole: its rows compute no logits but a guess's
-            align_drafts([r.draft for r in planned if not r.guided], n)
+            align_drafts([r.draft for r in planned], n)
         # rows left for the forced starts of prompts that end in this step
         spare = b.capacity - len(planned) - sum(len(r.draft) for r in planned)
         spare -= sum(t for _, t in chunks + pins)
         for run in planned:
             assert run.slot is not None
             assert run.pending is not None
-            # a grammar's forced tokens need their last row's logits only
-            run.forced = min(run.forced, len(run.draft))
-            run.guided = run.guided and bool(run.draft)
+            # a forced draft (the grammar's fast-forward) needs its last row's logits only
+            run.forced = run.forced and bool(run.draft)
             index = b.add(run.pending, run.n_past, run.slot.seq, not run.forced)
+            last = len(run.draft) - 1
             for j, token in enumerate(run.draft):
-                b.add(token, run.n_past + 1 + j, run.slot.seq, j >= run.forced - 1)
+                b.add(token, run.n_past + 1 + j, run.slot.seq, not run.forced or j == last)
             entries.append((run, index, 1))
         for run, take in chunks:
             assert run.slot is not None
@@ -147,14 +146,15 @@ class Planner:
         prompt's last token, right after it: taken as a forced draft (Verifier), so the
         first sampled token comes from this step, one step sooner. Within `room` (the
         rows the step has left); returns the rows added."""
-        run.draft, run.forced, run.guided = [], 0, False
+        run.draft, run.forced = [], False
         if run.req.max_tokens == 0 or room <= 0:
             return 0
         assert run.slot is not None
-        draft, forced = self.verifier.forced(run, room)
+        draft = self.verifier.forced(run, room)
+        last = len(draft) - 1
         for j, token in enumerate(draft):
-            self.batch.add(token, len(run.req.prompt) + j, run.slot.seq, j >= forced - 1)
-        run.draft, run.forced, run.guided = draft, forced, bool(draft)
+            self.batch.add(token, len(run.req.prompt) + j, run.slot.seq, j == last)
+        run.draft, run.forced = draft, bool(draft)
         return len(draft)
 
     def timed(self, seconds: float) -> None:

@@ -49,10 +49,9 @@ class Run:
     # (in the batch right after the pending token)
     drafter: NgramDrafter | None = None
     draft: list[int] = field(default_factory=list)
-    # the draft is the grammar's (`guided`): its first `forced` tokens (fast-forward)
-    # are taken, not sampled, and compute no logits but the last; the rest are guesses
-    guided: bool = False
-    forced: int = 0
+    # the draft is the grammar's forced tokens (fast-forward): taken, not sampled, and
+    # only its last row's logits are computed
+    forced: bool = False
     _utf8: Utf8Stream = field(default_factory=Utf8Stream)
     _stops: StopMatcher | None = None
 

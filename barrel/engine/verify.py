@@ -1,7 +1,7 @@
 """Draft verification: the tokens each generating sequence guesses ahead (prompt-lookup
-n-grams, barrel.engine.speculate, a draft model, barrel.engine.draft, or what its grammar
-forces), checked in the same step as its pending token, and which of them it keeps. Owns
-the draft model and the choice between them; engine thread."""
+n-grams, barrel.engine.speculate, or a draft model, barrel.engine.draft), checked in the
+same step as its pending token, and which of them it keeps. Owns the draft model and the
+choice between them; engine thread."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from barrel.engine.speculate import NgramDrafter
 
 logger = logging.getLogger(__name__)
 
-GUESSED = 2  # tokens guessed after a grammar's forced ones (`Verifier.guess`)
-
 
 class Verifier:
     def __init__(self, shared: Shared, delivery: Delivery) -> None:
@@ -31,10 +29,6 @@ class Verifier:
         plain = not (model.swa or model.recurrent)
         self.fast_forward = plain  # a grammar's forced tokens, decoded as a draft
         self.forced_tokens = 0  # tokens appended that way
-        # after them, the tokens of the bytes llguidance holds back, as a draft
-        self.guesses = plain and options.speculation != "off"
-        self.guessed_tokens = 0  # such draft tokens kept
-        self.model = model
         self.ngrams = options.speculation == "ngram" and options.draft_max > 0 and plain
         self.drafter: DraftModel | None = None
         if options.draft_model is not None and plain and not options.embedding:
@@ -57,11 +51,11 @@ class Verifier:
                 break
             assert run.slot is not None
             room -= 1
-            run.draft, run.forced = self.forced(run, room)
-            run.guided = bool(run.draft)
-            if not run.guided and self.drafter is not None:
+            run.draft = self.forced(run, room)
+            run.forced = bool(run.draft)
+            if not run.forced and self.drafter is not None:
                 run.draft = guesses.get(run.slot.seq, [])[:room]
-            elif not run.guided:
+            elif not run.forced:
                 run.draft = self.draft(run, room)
             room -= len(run.draft)
             planned.append(run)
@@ -87,38 +81,17 @@ class Verifier:
         ]
         return self.drafter.draft(wants, k)
 
-    def forced(self, run: Run, room: int) -> tuple[list[int], int]:
-        """(draft, forced): the tokens `run`'s grammar allows as the only continuation
-        after its pending token (llguidance's fast-forward), decoded in this step and
-        taken without sampling, then the tokens of the bytes it also forces but holds
-        back (`guess`), verified like any draft; within `room`. Not with logprobs
-        (forced rows compute no logits)."""
+    def forced(self, run: Run, room: int) -> list[int]:
+        """The tokens `run`'s grammar allows as the only continuation after its pending
+        token (llguidance's fast-forward), within `room`: decoded in this step and
+        taken without sampling. Not with logprobs (forced rows compute no logits)."""
         constraint = run.sampler.constraint
         if constraint is None or not self.fast_forward or run.req.sampling.logprobs is not None:
-            return [], 0
-        room = self._room(run, room)
-        try:
-            forced = constraint.forced()
-            held = constraint.forced_bytes() if self.guesses else b""
-        except InvalidGrammar:
-            return [], 0  # the sampler meets the same error and ends the run
-        if len(forced) >= room:
-            return forced[:room], room
-        return forced + self.guess(forced, held)[: room - len(forced)], len(forced)
-
-    def guess(self, forced: list[int], held: bytes) -> list[int]:
-        """The tokens of the forced bytes `held` that `forced` leaves out (GUESSED at
-        most): llguidance holds back the last forced bytes when a token could join them
-        to what follows (`": "` then a string's first word), yet the model mostly
-        writes them as a token of their own, and a draft costs a row."""
-        done = b"".join(self.model.piece(t) for t in forced)
-        if len(held) <= len(done) or not held.startswith(done):
             return []
         try:
-            text = held[len(done) :].decode()
-        except UnicodeDecodeError:
-            return []  # a character cut short: no token to guess
-        return self.model.tokenize(text, add_special=False, parse_special=False)[:GUESSED]
+            return constraint.forced()[: self._room(run, room)]
+        except InvalidGrammar:
+            return []  # the sampler meets the same error and ends the run
 
     def draft(self, run: Run, room: int) -> list[int]:
         """N-gram draft tokens to verify after `run`'s pending token, within the batch's
@@ -141,39 +114,31 @@ class Verifier:
     def verify(self, run: Run, index: int, seq: int) -> None:
         """Keep the draft tokens while each equals the token sampled before it (the
         token at `index + j` was sampled from the logits of draft token j-1), then drop
-        the rejected ones' KV cells. A grammar's draft: `take_guided`."""
-        if run.guided:
-            self.take_guided(run, index, seq)
+        the rejected ones' KV cells. A forced draft is taken whole (`take_forced`)."""
+        if run.forced:
+            self.take_forced(run, index, seq)
             return
         draft, run.draft = run.draft, []
-        kept = self.keep(run, draft, index)
-        self.kv.cut(seq, run.n_past)
-        if run.drafter is not None:
-            run.drafter.record(len(draft), kept)
-        self.observer.drafted(len(draft), kept)
-
-    def keep(self, run: Run, draft: list[int], row: int) -> int:
-        """Keep `draft`'s tokens while each equals the token sampled from the row before
-        it (`row` for the first), sampling the next from its own row; how many."""
         kept = 0
-        for token in draft:
+        for j, token in enumerate(draft):
             if run.slot is None or run.pending != token:
                 break
             run.slot.tokens.append(token)  # already decoded at this position
             run.n_past += 1
             run.pending = None
             kept += 1
-            self.delivery.sample(run, row + kept)
-        return kept
+            self.delivery.sample(run, index + 1 + j)
+        self.kv.cut(seq, run.n_past)
+        if run.drafter is not None:
+            run.drafter.record(len(draft), kept)
+        self.observer.drafted(len(draft), kept)
 
-    def take_guided(self, run: Run, index: int, seq: int) -> None:
+    def take_forced(self, run: Run, index: int, seq: int) -> None:
         """Append the grammar's forced tokens decoded at rows `index + 1...` (the run's
-        pending token was at `index`) and sample from the last one's row, then keep the
-        guessed tokens after them that the samples confirm."""
-        draft, run.draft, run.guided = run.draft, [], False
-        n, run.forced = run.forced, 0
+        pending token was at `index`), then sample from the last one's row."""
+        draft, run.draft, run.forced = run.draft, [], False
         taken = 0
-        for token in draft[:n]:
+        for token in draft:
             self.delivery.force(run, token)
             if run.slot is None or run.pending != token:
                 break  # the run ended (max_tokens, a stop string, the grammar's end)
@@ -182,12 +147,7 @@ class Verifier:
             run.pending = None
             taken += 1
         else:
-            if n:
-                self.delivery.sample(run, index + n)
-            if len(draft) > n:
-                kept = self.keep(run, draft[n:], index + n)
-                self.guessed_tokens += kept
-                self.observer.drafted(len(draft) - n, kept)
+            self.delivery.sample(run, index + len(draft))
         self.kv.cut(seq, run.n_past)
         self.forced_tokens += taken
         self.observer.forced(taken)
