@@ -134,8 +134,8 @@ class ModelDefaults(_Section, frozen=True):
     # true: load weights into llama.cpp's extra (CPU repack) buffers, as llama-server
     # does: faster prompts, but a greedy answer then depends on how many sequences
     # shared its steps (guides/performance.md). "auto": true unless the daemon is
-    # batch-invariant ([models] batch_invariant) or the CPU has AMX (the pinned
-    # llama.cpp build crashes with them there).
+    # batch-invariant ([models] batch_invariant). Never on a CPU with AMX, true
+    # included: the pinned llama.cpp build crashes with them there.
     extra_buffers: bool | Literal["auto"] = "auto"
     draft_max: int = 64  # draft tokens verified per step at most
     queue_depth: int = 16  # requests that may wait per model beyond num_seq_max running

@@ -32,6 +32,17 @@ def _load(caplog: pytest.LogCaptureFixture, path: Path, opts: ModelOptions) -> L
         return LlamaModel.load(path, opts)
 
 
+async def _answers(model: LlamaModel) -> None:
+    """The model decodes, and answers the question right."""
+    engine = Engine(model, EngineOptions(n_ctx=512, n_seq_max=1)).start()
+    try:
+        request = GenerationRequest(model.tokenize(QUESTION), max_tokens=4, sampling=GREEDY)
+        _, done = await engine.submit(request).collect()
+        assert "Paris" in model.detokenize(list(done.tokens))
+    finally:
+        await asyncio.to_thread(engine.stop)
+
+
 @pytest.mark.real_model
 async def test_auto_repacks_qwens_q4_k_weights_and_the_model_answers(
     qwen_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
@@ -46,14 +57,10 @@ async def test_auto_repacks_qwens_q4_k_weights_and_the_model_answers(
     assert REPACKED not in caplog.text
     monkeypatch.setattr(kernels, "_batch_invariant", False)
     model = _load(caplog, qwen_path, ModelOptions(extra_buffers=None))
-    assert (REPACKED in caplog.text) == (not cpu_has_amx())
-    engine = Engine(model, EngineOptions(n_ctx=512, n_seq_max=1)).start()
     try:
-        request = GenerationRequest(model.tokenize(QUESTION), max_tokens=4, sampling=GREEDY)
-        _, done = await engine.submit(request).collect()
-        assert "Paris" in model.detokenize(list(done.tokens))
+        assert (REPACKED in caplog.text) == (not cpu_has_amx())
+        await _answers(model)
     finally:
-        await asyncio.to_thread(engine.stop)
         model.free()
 
 
@@ -66,15 +73,44 @@ async def test_the_config_key_reaches_the_load(
     extra: bool,
 ) -> None:
     """`models.defaults.extra_buffers` decides whether llama.cpp is offered the repack
-    buffers at load, and the model answers either way (on an AMX CPU the tiny model's
-    tensors go to AMX buffers and it still decodes; Qwen's crash there, see "auto")."""
+    buffers at load (never on a CPU with AMX: see the next test), and the model answers
+    either way."""
     with caplog.at_level(logging.DEBUG, logger="barrel.llama"):
         _, lc = await start(
             aiohttp_client, tmp_path, {"tiny": tiny_path}, defaults={"extra_buffers": extra}
         )
         lease = await lc.acquire("tiny", keep_alive=60)
-    assert (OFFERED in caplog.text) == extra
+    assert (OFFERED in caplog.text) == (extra and not cpu_has_amx())
     request = GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=3)
     _, done = await lease.engine.submit(request).collect()
     assert done.usage.completion_tokens == 3
     await lc.release(lease)
+
+
+def test_a_cpu_with_amx_never_gets_extra_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with AMX the pinned llama.cpp puts K-quant weights in AMX buffers and the
+    process dies at its first decode: neither "auto" nor true offers them there."""
+    monkeypatch.setattr(kernels, "_batch_invariant", False)
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)
+    assert ModelOptions(extra_buffers=True).uses_extra_buffers()
+    assert ModelOptions(extra_buffers=None).uses_extra_buffers()
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: True)
+    assert not ModelOptions(extra_buffers=True).uses_extra_buffers()
+    assert not ModelOptions(extra_buffers=None).uses_extra_buffers()
+    assert not ModelOptions(extra_buffers=False).uses_extra_buffers()
+
+
+@pytest.mark.real_model
+async def test_qwen_asked_for_extra_buffers_answers_on_this_cpu(
+    qwen_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`extra_buffers = true` loads Qwen with repacked weights where the CPU has no AMX;
+    on a CPU with AMX (where they killed the process at the first decode) it loads it
+    without them and says so. Either way the model answers."""
+    model = _load(caplog, qwen_path, ModelOptions(extra_buffers=True))
+    try:
+        assert (REPACKED in caplog.text) == (not cpu_has_amx())
+        assert ("the CPU has AMX" in caplog.text) == cpu_has_amx()
+        await _answers(model)
+    finally:
+        model.free()

@@ -134,14 +134,19 @@ class ModelOptions:
     # off, and steps of eight streams ~5-10 % faster with it on (TILED_MATMUL_ENV). The
     # repacked kernels round a row differently by how many rows share the step, so a
     # greedy answer depends on what else runs beside it (guides/performance.md). None:
-    # on unless the process is batch-invariant (`configure_kernels`) or the CPU has AMX,
-    # where the 0.3.36 build crashes in llama_decode with them.
+    # on unless the process is batch-invariant (`configure_kernels`). Never on a CPU
+    # with AMX, where the 0.3.36 build crashes in llama_decode with them.
     extra_buffers: bool | None = False
     vocab_only: bool = False
 
     def uses_extra_buffers(self) -> bool:
+        """Whether the load offers llama.cpp its extra buffers: never on a CPU with AMX,
+        where the pinned build puts K-quant weights in AMX buffers and then dies in the
+        first llama_decode (SIGILL), whatever was asked (`LlamaModel.load` warns)."""
+        if cpu_has_amx():
+            return False
         if self.extra_buffers is None:
-            return not batch_invariant() and not cpu_has_amx()
+            return not batch_invariant()
         return self.extra_buffers
 
 
@@ -200,6 +205,12 @@ class LlamaModel:
         params.n_gpu_layers = opts.n_gpu_layers
         params.load_mode = _LOAD_MODES[opts.load_mode]
         params.use_extra_bufts = opts.uses_extra_buffers()
+        if opts.extra_buffers and not params.use_extra_bufts:
+            logger.warning(
+                "%s: extra weight buffers left off: the CPU has AMX, where llama.cpp "
+                '0.3.36 crashes with them (guides/performance.md, "AMX")',
+                path.name,
+            )
         params.vocab_only = opts.vocab_only
         handle = ll.llama_model_load_from_file(os.fsencode(path), params)
         if not handle:
