@@ -127,7 +127,9 @@ async def test_the_grammar_s_forced_start_is_read_with_the_prompt(model: LlamaMo
 async def test_a_forced_start_fits_a_step_that_other_prompts_fill(model: LlamaModel) -> None:
     """Two prompts read in one step, the first under a grammar: its forced start is
     decoded after its last token, and the second prompt's rows still fit the batch (the
-    start takes the rows left over, never more)."""
+    start takes the rows left over, never more). The second prompt is read whole in that
+    step, filling it: a step that ends a prompt takes later ones only whole
+    (`Planner._in_order`)."""
     options = EngineOptions(n_ctx=2048, n_seq_max=2, n_batch=32, n_ubatch=32, gather_s=30.0)
     sizes = StepSizes()
     engine = Engine(model, options, observer=sizes).start()
@@ -135,9 +137,10 @@ async def test_a_forced_start_fits_a_step_that_other_prompts_fill(model: LlamaMo
         grammar = json_schema_grammar(SCHEMA)
         params = SamplingParams(grammar=grammar, temperature=0.0)
         engine.expect(2)  # both join the first step
-        constrained = engine.submit(GenerationRequest(model.tokenize("Answer:"), params, 40))
-        long = model.tokenize(" ".join(["word"] * 60))
-        plain = engine.submit(GenerationRequest(long, GREEDY, max_tokens=4))
+        first = model.tokenize("Answer:")
+        constrained = engine.submit(GenerationRequest(first, params, 40))
+        rest = model.tokenize(" ".join(["word"] * 60))[: 32 - len(first)]
+        plain = engine.submit(GenerationRequest(rest, GREEDY, max_tokens=4))
         deltas, done = await constrained.collect()
         _, other = await plain.collect()
         jsonschema.validate(json.loads("".join(d.text for d in deltas)), SCHEMA)

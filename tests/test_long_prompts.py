@@ -169,8 +169,19 @@ def test_in_arrival_order_the_first_prompt_is_read_whole_before_the_next(
     try:
         old, short, middle = _run(1, 1000), _run(2, 100), _run(3, 300)
         assert [(r.id, n) for r, n in e.planner.shares([old, short, middle], 256)] == [(1, 256)]
-        shares = e.planner.shares([short, middle, old], 256)
-        assert [(r.id, n) for r, n in shares] == [(2, 100), (3, 156)]
+        # the short prompt's last rows end the step: its first token does not wait for
+        # 156 rows of the next prompt, which starts a step later
+        assert [(r.id, n) for r, n in e.planner.shares([short, middle, old], 256)] == [(2, 100)]
+        # ... where a later prompt joins only whole, within FINISH_ROWS in all
+        tiny, tiny2 = _run(4, 20), _run(5, 20)
+        shares = e.planner.shares([short, tiny, tiny2, old], 256)
+        assert [(r.id, n) for r, n in shares] == [(2, 100), (4, 20)]
+        # prompts that come together share their first step
+        burst = [_run(10 + i, 20) for i in range(8)]
+        assert [n for _, n in e.planner.shares(burst, 256)] == [20] * 6
+        # the tail of a prompt read in earlier steps ends its step too
+        middle.n_past = 250
+        assert [(r.id, n) for r, n in e.planner.shares([middle, old], 256)] == [(3, 50)]
     finally:
         e.stop()
 
