@@ -73,6 +73,8 @@ VARIANTS = {
     # llama-server's kernels: repacked weights, the tiled matmul and flash attention
     "llama-kernels": 'extra_buffers = true\nflash_attn = "on"',
     "arrival": 'prefill_order = "arrival"',  # prompts read in the order they came
+    # steps (and micro-batches) of up to 2,048 rows, each up to ~10 s: llama-server's steps
+    "big": "num_batch = 2048\nprefill_step_s = 10",
 }
 # ... and the environment of each, where it differs
 VARIANT_ENV = {
