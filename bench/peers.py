@@ -61,7 +61,7 @@ LLAMA_CPP_PYTHON = "0.3.36"
 PARALLEL = 8
 # Barrel daemons a run may put side by side: [models.defaults] lines of each
 VARIANTS = {
-    "default": "",  # on a CPU: a KV stream per sequence, flash attention off
+    "default": "",  # on a CPU: a KV stream per sequence, flash attention "auto" (on)
     "invariant": "",  # batch-invariant kernels: no tiled matmul, no repacked weights
     "shared": "kv_per_sequence = false",  # one KV stream for all, flash attention on
     "shared-flash-off": 'kv_per_sequence = false\nflash_attn = "off"',

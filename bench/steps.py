@@ -14,8 +14,8 @@ sequences of 200 cells, one token each (k streams generating). Each combination 
 flash-attention setting, a KV cache type and a KV layout gets its own context: `unified`
 is the engine's (one KV stream that every sequence shares, 8,192 cells), `split` gives
 each sequence a stream of its own (8,192 cells each; `EngineOptions.kv_per_sequence`),
-as llama-server runs. Flash attention `auto` with `split` is off on a CPU, as in the
-engine: llama-server's own setting is `--flash on --layout split`. `--extra off,on`
+as llama-server runs. Flash attention `auto` is on for a CPU context in the pinned
+llama.cpp, `split` included, as in the engine and in llama-server. `--extra off,on`
 loads the model twice, without and with llama.cpp's extra (CPU repack) weight buffers
 (`ModelOptions.extra_buffers`), and times every variant on both. The medians (ms) print
 as a Markdown table.
