@@ -225,7 +225,7 @@ class Planner:
                 out.append((run, take))
                 budget -= take
                 rows += take
-                ended = take == left
+                ended = ended or take == left
         return out
 
     def close_gap(self) -> None:
