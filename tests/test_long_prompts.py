@@ -13,6 +13,7 @@ import pytest
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
+from barrel.engine.plan import TILE_ROWS
 from barrel.engine.run import Run
 from barrel.engine.types import FinishReason, GenerationRequest, RequestId
 
@@ -182,6 +183,40 @@ def test_in_arrival_order_the_first_prompt_is_read_whole_before_the_next(
         # the tail of a prompt read in earlier steps ends its step too
         middle.n_past = 250
         assert [(r.id, n) for r, n in e.planner.shares([middle, old], 256)] == [(3, 50)]
+    finally:
+        e.stop()
+
+
+def test_no_chunk_leaves_a_tail_of_fewer_rows_than_an_attention_tile(model: LlamaModel) -> None:
+    """A prompt's last few rows read in a step of their own go through ggml's row-by-row
+    attention kernel (fewer than TILE_ROWS query rows), dear over a long context: a chunk
+    takes them too where the batch has room, else stops TILE_ROWS short."""
+    for order in ("arrival", "shortest"):
+        opts = EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64, prefill_order=order)
+        e = Engine(model, opts)
+        try:
+            p = _run(1, 300)
+            assert [n for _, n in e.planner.shares([p], 256, room=512)] == [300]
+            assert [n for _, n in e.planner.shares([p], 256, room=256)] == [300 - TILE_ROWS]
+            assert [n for _, n in e.planner.shares([p], 256)] == [300 - TILE_ROWS]
+            p.n_past = 300 - 256 - TILE_ROWS + 20  # a tail of a whole tile stays for later
+            assert [n for _, n in e.planner.shares([p], 236, room=512)] == [236]
+        finally:
+            e.stop()
+    # shortest first: the oldest prompt's chunk gets what the shorter one leaves of the room
+    opts = EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64, prefill_order="shortest")
+    e = Engine(model, opts)
+    try:
+        old, short = _run(1, 400), _run(2, 100)
+        old.n_past = 204  # 196 rows left: 156 of the budget would leave 40
+        assert [(r.id, n) for r, n in e.planner.shares([old, short], 256, room=420)] == [
+            (2, 100),
+            (1, 196),
+        ]
+        assert [(r.id, n) for r, n in e.planner.shares([old, short], 256, room=250)] == [
+            (2, 100),
+            (1, 196 - TILE_ROWS),
+        ]
     finally:
         e.stop()
 

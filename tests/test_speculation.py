@@ -20,7 +20,7 @@ from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
 from barrel.engine.observer import NoObserver
 from barrel.engine.speculate import ALIGN, NgramDrafter, align_drafts
-from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
+from barrel.engine.types import FinishReason, GenerationRequest, SamplingParams, SessionId
 from barrel.metrics import Metrics
 from bench.drafts import replay
 
@@ -126,6 +126,41 @@ async def test_every_step_that_verifies_drafts_is_a_multiple_of_four(tiny: Llama
     with_drafts = [tokens for tokens, drafted in observer.steps if drafted]
     assert with_drafts  # drafts were verified, alone and beside other sequences
     assert all(tokens % ALIGN == 0 for tokens in with_drafts), with_drafts
+
+
+async def test_a_step_that_reads_prompt_rows_verifies_no_guesses(qwen: LlamaModel) -> None:
+    """A generating sequence drafts in steps of its own and not in the steps that read a
+    prompt beside it: a guess's few rows over a whole context take the dear row-by-row
+    attention kernel, and the prompt's first token would wait for them. Here a copy
+    (drafts kept) runs while a 700-token prompt is read in chunks of 64."""
+    words = " ".join(f"entry {k} of the ledger" for k in range(200))
+    prompt = qwen.tokenize(words)[:700]
+    observer = _Steps()
+    opts = EngineOptions(n_ctx=2048, n_seq_max=4, speculation="ngram", prefill_chunk=64)
+    e = Engine(qwen, opts, observer=observer).start()
+    try:
+        count = qwen.tokenize(" ".join(["one two three four five six seven eight"] * 4))
+        walker = e.submit(GenerationRequest(count, max_tokens=160, sampling=GREEDY))
+        async for _ in walker:  # until the copy drafts
+            if any(drafted for _, drafted in observer.steps):
+                break
+        reader = e.submit(GenerationRequest(prompt, max_tokens=1))  # read beside the copy
+        (_, copied), (_, read) = await asyncio.gather(walker.collect(), reader.collect())
+        assert read.usage.prompt_computed == len(prompt)
+    finally:
+        await asyncio.to_thread(e.stop)
+    # after the copy's first draft, a step's rows beyond its drafts and the pending
+    # tokens of the (at most two) generating sequences are the prompt's
+    drafting = [i for i, (_, drafted) in enumerate(observer.steps) if drafted]
+    reading = [
+        i
+        for i, (tokens, drafted) in enumerate(observer.steps)
+        if i > drafting[0] and tokens - drafted > 2
+    ]
+    assert len(reading) >= len(prompt) // 64  # the prompt was read in chunks ...
+    assert reading[-1] < drafting[-1]  # ... while the copy drafted, before and after
+    assert copied.finish_reason == FinishReason.LENGTH  # (it counted all along)
+    assert not set(reading) & set(drafting), observer.steps
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,13 @@ GAP_RETRY_STEPS = 64  # after a gap could not be closed
 # pass over the weights, so prompts that come together still share their first step.
 FINISH_ROWS = 128
 
+# A prompt's rows in a step go through ggml's CPU flash attention in tiles of this many
+# query rows; fewer (a prompt's last few rows, a draft) take its row-by-row kernel, whose
+# cost a row grows with the cells attended: 20 ms a row at 1,024 cells against 6 ms in
+# tiles (Qwen2.5-Coder-0.5B, 2 cores), so a 30-row tail after 1,170 rows cost 0.5 s of
+# its prompt's first token (guides/performance.md). No chunk leaves fewer for later.
+TILE_ROWS = 64
+
 # Steps with fewer prompt rows do not time a prompt row (`Planner.budget`): a step of a
 # few rows costs a pass over the weights, whatever its rows.
 MIN_TIMED_ROWS = 64
@@ -85,16 +92,17 @@ class Planner:
             and runnable(run)
             and self.loras.of(run) == lora
         ]
-        planned = self.verifier.plan(generating, b.capacity)
-        room = b.capacity - len(planned) - sum(len(r.draft) for r in planned)
         self.admission.images(lora)
         prefilling = [r for r in active if r.prefilling and self.loras.of(r) == lora]
+        # no guesses beside prompt rows (a grammar's forced tokens still go)
+        planned = self.verifier.plan(generating, b.capacity, speculate=not prefilling)
+        room = b.capacity - len(planned) - sum(len(r.draft) for r in planned)
         if planned:
             waiting = len(prefilling) + len(self.roster.waiting)
             budget = min(room, self.budget(len(planned), waiting))
         else:
             budget = room
-        chunks = self.shares(prefilling, budget)
+        chunks = self.shares(prefilling, budget, room)
         budget -= sum(take for _, take in chunks)
         self.prompt_rows = sum(take for _, take in chunks)
         pins: list[tuple[PinJob, int]] = []
@@ -182,17 +190,22 @@ class Planner:
         seconds = opts.prefill_step_s * max(1.0, waiting / max(1, generating))
         return max(opts.prefill_chunk, int(seconds / self.row_s))
 
-    def shares(self, prefilling: list[Run], budget: int) -> list[tuple[Run, int]]:
+    def shares(
+        self, prefilling: list[Run], budget: int, room: int | None = None
+    ) -> list[tuple[Run, int]]:
         """The step's prompt rows, `budget` of them, among the prompts being prefilled:
         in the order they were admitted (`_in_order`), or with `prefill_order`
         "shortest" the prompt with the fewest rows left first (its first token comes
         soonest, and the others wait for it least), but the one admitted first (the
         roster keeps arrival order) is sure of a quarter of them, so a long prompt moves
-        on while short ones keep coming."""
+        on while short ones keep coming. A prompt's chunk may go past the budget, within
+        `room` (the batch's free rows; the budget without it), to leave no short tail
+        (`chunk`)."""
         if not prefilling:
             return []
+        room = budget if room is None else room
         if self.options.prefill_order != "shortest":
-            return self._in_order(prefilling, budget)
+            return self._in_order(prefilling, budget, room)
         oldest = prefilling[0]
         order = sorted(prefilling, key=lambda r: len(r.req.prompt) - r.n_past)
         held = 0 if order[0] is oldest else max(1, budget // 4)
@@ -201,13 +214,14 @@ class Planner:
         for run in order:
             if run is oldest:
                 left, held = left + held, 0
-            take = self.chunk(run, left) if left > 0 else 0
+            take = self.chunk(run, left, room - held) if left > 0 else 0
             if take:
                 out.append((run, take))
                 left -= take
+                room -= take
         return out
 
-    def _in_order(self, prefilling: list[Run], budget: int) -> list[tuple[Run, int]]:
+    def _in_order(self, prefilling: list[Run], budget: int, room: int) -> list[tuple[Run, int]]:
         """`budget` rows to the prompts in the order they were admitted: the first
         whole before the next. Once a prompt's last rows are in the step, a later one
         joins only whole and within FINISH_ROWS rows in all: its first token comes at
@@ -220,10 +234,11 @@ class Planner:
             left = len(run.req.prompt) - run.n_past
             if ended and (left > budget or rows + left > FINISH_ROWS):
                 break
-            take = self.chunk(run, budget) if budget > 0 else 0
+            take = self.chunk(run, budget, room) if budget > 0 else 0
             if take:
                 out.append((run, take))
                 budget -= take
+                room -= take
                 rows += take
                 ended = ended or take == left
         return out
@@ -273,12 +288,17 @@ class Planner:
                     del run.draft[shortest:]
 
     @staticmethod
-    def chunk(run: Run, budget: int) -> int:
+    def chunk(run: Run, budget: int, room: int | None = None) -> int:
         """How many of `run`'s prompt tokens the step takes: up to `budget`, never past
         an image (evaluated on its own), fewer with prompt logprobs (a vocabulary of
-        logits per token: the output buffer stays small)."""
+        logits per token: the output buffer stays small). Never a tail of fewer than
+        TILE_ROWS rows left for a later step: the whole prompt if `room` holds it, else
+        TILE_ROWS short of it."""
         prompt = run.req.prompt
-        take = min(len(prompt) - run.n_past, budget)
+        left = len(prompt) - run.n_past
+        take = min(left, budget)
+        if 0 < left - take < TILE_ROWS and not run.req.media and not run.req.prompt_logprobs:
+            take = left if left <= (budget if room is None else room) else left - TILE_ROWS
         if run.req.media:  # text up to the next image (evaluated next step)
             take = next(
                 (
