@@ -201,6 +201,8 @@ def test_no_chunk_leaves_a_tail_of_fewer_rows_than_an_attention_tile(model: Llam
             assert [n for _, n in e.planner.shares([p], 256)] == [300 - TILE_ROWS]
             p.n_past = 300 - 256 - TILE_ROWS + 20  # a tail of a whole tile stays for later
             assert [n for _, n in e.planner.shares([p], 236, room=512)] == [236]
+            # a batch smaller than a tile: its rows, as many as it has
+            assert [n for _, n in e.planner.shares([_run(2, 50)], 10, room=10)] == [10]
         finally:
             e.stop()
     # shortest first: the oldest prompt's chunk gets what the shorter one leaves of the room

@@ -298,7 +298,10 @@ class Planner:
         left = len(prompt) - run.n_past
         take = min(left, budget)
         if 0 < left - take < TILE_ROWS and not run.req.media and not run.req.prompt_logprobs:
-            take = left if left <= (budget if room is None else room) else left - TILE_ROWS
+            if left <= (budget if room is None else room):
+                take = left
+            elif left > TILE_ROWS:  # (a batch of fewer rows than a tile reads as it can)
+                take = left - TILE_ROWS
         if run.req.media:  # text up to the next image (evaluated next step)
             take = next(
                 (
