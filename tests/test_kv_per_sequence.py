@@ -221,3 +221,85 @@ async def test_a_gap_closes_over_a_parked_conversation_which_the_state_cache_kee
         assert list(again.tokens) == await cold(model, turn, 6)
     finally:
         await asyncio.to_thread(e.stop)
+
+
+async def test_a_prompt_read_between_generating_sequences_lists_its_rows_in_their_order(
+    model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp splits a step with a KV stream per sequence into micro-batches of
+    consecutive sequence ids, taking each id in the order the batch lists it: a prompt
+    on sequence 1 listed after generating sequences 0 and 2 split the step's first rows
+    in two micro-batches (a pass over the weights more). Every step lists its
+    sequences' rows in sequence order, each sequence's together."""
+    steps: list[list[int]] = []
+    decode = ll.llama_decode
+
+    def recorded(ctx: object, batch: ll.llama_batch) -> int:
+        steps.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])
+        return decode(ctx, batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ll, "llama_decode", recorded)
+    e = Engine(model, options(n_seq_max=3, max_pins=0, prefill_chunk=64)).start()
+    try:
+        texts = ["Once upon a time", "def main():", "The capital of France"]
+        prompts = [model.tokenize(t) for t in texts]
+        document = " ".join(f"entry {k} reads {k * 7 % 97}" for k in range(60))
+        prompts.append(model.tokenize(document))  # waits for b's slot (1), between a and c
+        lengths = [60, 4, 60, 4]
+        done = await asyncio.gather(
+            *(answer(e, p, n, ignore_eos=True) for p, n in zip(prompts, lengths, strict=True))
+        )
+        assert [len(d.tokens) for d in done] == lengths
+        beside = [s for s in steps if {0, 2} <= set(s) and s.count(1) > 1]
+        assert beside, "the document was never read beside both generating sequences"
+        for step in steps:
+            assert step == sorted(step)
+    finally:
+        await asyncio.to_thread(e.stop)
+
+
+async def test_a_prompt_waiting_between_generating_sequences_lends_them_a_row(
+    model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two prompts take the slots of two short answers between running ones; while the
+    first is read, the second waits, its id a gap among the step's that would split the
+    running rows in two micro-batches: it lends the step one prompt row (in their
+    micro-batch), and its answer is what it is alone."""
+    steps: list[list[tuple[int, int, int]]] = []  # (sequence, token, position) a row
+    decode = ll.llama_decode
+
+    def recorded(ctx: object, batch: ll.llama_batch) -> int:
+        rows = range(batch.n_tokens)
+        steps.append([(batch.seq_id[i][0], batch.token[i], batch.pos[i]) for i in rows])
+        return decode(ctx, batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ll, "llama_decode", recorded)
+    e = Engine(model, options(n_seq_max=5, max_pins=0, prefill_chunk=64)).start()
+    try:
+        texts = ["Once upon a time", "def main():", "The capital of France", "1, 2,", "Hi"]
+        prompts = [model.tokenize(t) for t in texts]
+        for k in range(2):  # they wait for the short answers' slots
+            words = " ".join(f"entry {k}-{j} reads {j * 7 % 97}" for j in range(60))
+            prompts.append(model.tokenize(words))
+        lengths = [80, 4, 80, 4, 80, 4, 4]
+        done = await asyncio.gather(
+            *(answer(e, p, n, ignore_eos=True) for p, n in zip(prompts, lengths, strict=True))
+        )
+        assert [len(d.tokens) for d in done] == lengths
+        waiting = prompts[6]
+        lent = 0
+        for step in steps:
+            assert [q for q, _, _ in step] == sorted(q for q, _, _ in step)
+            by_seq: dict[int, list[tuple[int, int]]] = {}
+            for q, token, pos in step:
+                by_seq.setdefault(q, []).append((token, pos))
+            for q, rows in by_seq.items():
+                (token, pos), others = rows[0], set(by_seq) - {q}
+                read = any(len(by_seq[o]) >= 64 for o in others)
+                if len(rows) == 1 and pos < len(waiting) - 1 and waiting[pos] == token and read:
+                    assert min(others) < q < max(others)
+                    lent += 1
+        assert lent, "the waiting prompt never lent a row to a step that read the other"
+        assert list(done[6].tokens) == await cold(model, waiting, 4)
+    finally:
+        await asyncio.to_thread(e.stop)

@@ -13,7 +13,7 @@ import pytest
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
-from barrel.engine.plan import TILE_ROWS
+from barrel.engine.plan import TAIL_ROWS
 from barrel.engine.run import Run
 from barrel.engine.types import FinishReason, GenerationRequest, RequestId
 
@@ -180,6 +180,10 @@ def test_in_arrival_order_the_first_prompt_is_read_whole_before_the_next(
         # prompts that come together share their first step
         burst = [_run(10 + i, 20) for i in range(8)]
         assert [n for _, n in e.planner.shares(burst, 256)] == [20] * 6
+        # a chunk that stops short of its prompt's end (a tail kept for later) ends the
+        # step's prompt rows: the next prompt's 20 rows would split it under a tile
+        first = _run(6, 300)
+        assert [(r.id, n) for r, n in e.planner.shares([first, middle], 256)] == [(6, 235)]
         # the tail of a prompt read in earlier steps ends its step too
         middle.n_past = 250
         assert [(r.id, n) for r, n in e.planner.shares([middle, old], 256)] == [(3, 50)]
@@ -189,17 +193,20 @@ def test_in_arrival_order_the_first_prompt_is_read_whole_before_the_next(
 
 def test_no_chunk_leaves_a_tail_of_fewer_rows_than_an_attention_tile(model: LlamaModel) -> None:
     """A prompt's last few rows read in a step of their own go through ggml's row-by-row
-    attention kernel (fewer than TILE_ROWS query rows), dear over a long context: a chunk
-    takes them too where the batch has room, else stops TILE_ROWS short."""
+    attention kernel (fewer than 64 query rows; beside generating sequences with a KV
+    stream each, its first row goes to their micro-batch), dear over a long context: a
+    chunk takes them too where the batch has room, else stops TAIL_ROWS (65) short."""
     for order in ("arrival", "shortest"):
         opts = EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64, prefill_order=order)
         e = Engine(model, opts)
         try:
             p = _run(1, 300)
             assert [n for _, n in e.planner.shares([p], 256, room=512)] == [300]
-            assert [n for _, n in e.planner.shares([p], 256, room=256)] == [300 - TILE_ROWS]
-            assert [n for _, n in e.planner.shares([p], 256)] == [300 - TILE_ROWS]
-            p.n_past = 300 - 256 - TILE_ROWS + 20  # a tail of a whole tile stays for later
+            assert [n for _, n in e.planner.shares([p], 256, room=256)] == [300 - TAIL_ROWS]
+            assert [n for _, n in e.planner.shares([p], 256)] == [300 - TAIL_ROWS]
+            # 64 rows left would be 1 + 63 beside generating sequences
+            assert [n for _, n in e.planner.shares([p], 236, room=236)] == [235]
+            p.n_past = 300 - 256 - TAIL_ROWS + 20  # a tail of a whole tile stays for later
             assert [n for _, n in e.planner.shares([p], 236, room=512)] == [236]
             # a batch smaller than a tile: its rows, as many as it has
             assert [n for _, n in e.planner.shares([_run(2, 50)], 10, room=10)] == [10]
@@ -217,7 +224,7 @@ def test_no_chunk_leaves_a_tail_of_fewer_rows_than_an_attention_tile(model: Llam
         ]
         assert [(r.id, n) for r, n in e.planner.shares([old, short], 256, room=250)] == [
             (2, 100),
-            (1, 196 - TILE_ROWS),
+            (1, 196 - TAIL_ROWS),
         ]
     finally:
         e.stop()

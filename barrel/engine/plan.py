@@ -3,9 +3,10 @@ its draft (barrel.engine.verify), then chunks of the prompts being prefilled, in
 order they came (or the one with the fewest rows left first), as many rows as the
 prefill budget allows beside generating sequences (more while prompts outnumber them),
 a grammar's forced start right after a prompt's last token, then pinned prefixes; with a
-KV stream per sequence, rows ordered so the step is one micro-batch, and running
-sequences moved to close a gap between their ids. Owns the batch's contents, the rate
-prompt rows cost lately and the pinned prefixes' rows of this step; engine thread."""
+KV stream per sequence, every sequence's rows in sequence order (one micro-batch takes a
+row of each, not two split at a prompt's id) and running sequences moved to close a gap
+between their ids. Owns the batch's contents, the rate prompt rows cost lately and the
+pinned prefixes' rows of this step; engine thread."""
 
 from __future__ import annotations
 
@@ -46,12 +47,20 @@ FINISH_ROWS = 128
 # query rows; fewer (a prompt's last few rows, a draft) take its row-by-row kernel, whose
 # cost a row grows with the cells attended: 20 ms a row at 1,024 cells against 6 ms in
 # tiles (Qwen2.5-Coder-0.5B, 2 cores), so a 30-row tail after 1,170 rows cost 0.5 s of
-# its prompt's first token (guides/performance.md). No chunk leaves fewer for later.
+# its prompt's first token (guides/performance.md). No chunk leaves fewer for later,
+# and with a KV stream per sequence one row more (TAIL_ROWS): beside generating
+# sequences llama.cpp's equal split puts a chunk's first row in their micro-batch, so a
+# tail of 64 rows read beside them was 1 + 63 rows, 1.5 s where a tile reads in 0.35 s.
 TILE_ROWS = 64
+TAIL_ROWS = TILE_ROWS + 1
 
 # Steps with fewer prompt rows do not time a prompt row (`Planner.budget`): a step of a
 # few rows costs a pass over the weights, whatever its rows.
 MIN_TIMED_ROWS = 64
+
+
+def _seq(run: Run) -> int:
+    return run.slot.seq if run.slot is not None else -1
 
 
 class Planner:
@@ -103,6 +112,8 @@ class Planner:
         else:
             budget = room
         chunks = self.shares(prefilling, budget, room)
+        if self.kv.per_sequence and planned:
+            chunks += self.fillers(planned, prefilling, chunks, room - sum(t for _, t in chunks))
         budget -= sum(take for _, take in chunks)
         self.prompt_rows = sum(take for _, take in chunks)
         pins: list[tuple[PinJob, int]] = []
@@ -113,45 +124,64 @@ class Planner:
             pins.append((job, take))
             budget -= take
         if self.kv.per_sequence:
-            self.one_ubatch(planned, chunks)
+            self.one_ubatch(planned)
         n = len(planned) + sum(len(r.draft) for r in planned) + sum(t for _, t in chunks + pins)
         if not (self.kv.per_sequence and len(planned) > 1):
             align_drafts([r.draft for r in planned], n)
         # rows left for the forced starts of prompts that end in this step
         spare = b.capacity - len(planned) - sum(len(r.draft) for r in planned)
         spare -= sum(t for _, t in chunks + pins)
-        for run in planned:
-            assert run.slot is not None
-            assert run.pending is not None
-            # a forced draft (the grammar's fast-forward) needs its last row's logits only
-            run.forced = run.forced and bool(run.draft)
-            index = b.add(run.pending, run.n_past, run.slot.seq, not run.forced)
-            last = len(run.draft) - 1
-            for j, token in enumerate(run.draft):
-                b.add(token, run.n_past + 1 + j, run.slot.seq, not run.forced or j == last)
-            entries.append((run, index, 1))
-        for run, take in chunks:
-            assert run.slot is not None
-            prompt, rows = run.req.prompt, run.req.prompt_logprobs
-            index = -1
-            for pos in range(run.n_past, run.n_past + take):
-                last = pos == len(prompt) - 1
-                i = b.add(prompt[pos], pos, run.slot.seq, last or rows)
-                if rows and not last:
-                    run.logit_rows.append((i, pos))
-                if last:
-                    index = i
-            entries.append((run, index, take))
-            if index >= 0:
-                spare -= self.force_start(run, spare)
+        rows: list[tuple[int, Run | PinJob, int]] = [(_seq(r), r, -1) for r in planned]
+        rows += [(_seq(r), r, take) for r, take in chunks]
+        rows += [(job.slot.seq, job, take) for job, take in pins]
+        if self.kv.per_sequence:
+            # every sequence's rows in sequence order: llama.cpp's first micro-batch then
+            # takes a row of each of them (a prompt's first row between generating
+            # sequences' included), not two micro-batches split at the prompt's id
+            rows.sort(key=lambda row: row[0])
+        for _, who, take in rows:
+            if isinstance(who, PinJob):
+                for pos in range(who.n_past, who.n_past + take):
+                    b.add(who.tokens[pos], pos, who.slot.seq, False)
+            elif take < 0:
+                entries.append(self._add_next(who))
+            else:
+                entries.append(self._add_chunk(who, take))
+                if entries[-1][1] >= 0:
+                    spare -= self.force_start(who, spare)
         self.pins = pins
-        for job, take in pins:
-            for pos in range(job.n_past, job.n_past + take):
-                b.add(job.tokens[pos], pos, job.slot.seq, False)
         if not entries and self.pins:
             # Only pins in this batch: llama_decode needs one output somewhere.
             b.raw.logits[b.n - 1] = True
         return entries
+
+    def _add_next(self, run: Run) -> Entry:
+        """A generating sequence's pending token and its draft."""
+        assert run.slot is not None
+        assert run.pending is not None
+        b = self.batch
+        # a forced draft (the grammar's fast-forward) needs its last row's logits only
+        run.forced = run.forced and bool(run.draft)
+        index = b.add(run.pending, run.n_past, run.slot.seq, not run.forced)
+        last = len(run.draft) - 1
+        for j, token in enumerate(run.draft):
+            b.add(token, run.n_past + 1 + j, run.slot.seq, not run.forced or j == last)
+        return run, index, 1
+
+    def _add_chunk(self, run: Run, take: int) -> Entry:
+        """`take` of a prompt's tokens; the entry's index is its last token's row, if
+        this chunk reads it."""
+        assert run.slot is not None
+        prompt, rows = run.req.prompt, run.req.prompt_logprobs
+        index = -1
+        for pos in range(run.n_past, run.n_past + take):
+            last = pos == len(prompt) - 1
+            i = self.batch.add(prompt[pos], pos, run.slot.seq, last or rows)
+            if rows and not last:
+                run.logit_rows.append((i, pos))
+            if last:
+                index = i
+        return run, index, take
 
     def force_start(self, run: Run, room: int) -> int:
         """The tokens `run`'s grammar forces before its first choice (a schema's
@@ -227,7 +257,11 @@ class Planner:
         joins only whole and within FINISH_ROWS rows in all: its first token comes at
         the step's end, and every row more would delay it by what the row costs (a
         prompt's tail packed with 380 rows of the next one got its first token 1.8 s
-        later), while the next prompt loses nothing by starting a step later."""
+        later), while the next prompt loses nothing by starting a step later. A prompt
+        whose chunk stops short of its end (a tail left for later, an image, prompt
+        logprobs) ends the step's prompt rows too: a later prompt's few rows beside it
+        made a micro-batch of as many rows of each (a KV stream per sequence), under a
+        tile, and took the row-by-row kernel (40 rows: 1 s)."""
         out: list[tuple[Run, int]] = []
         rows, ended = 0, False
         for run in prefilling:
@@ -241,6 +275,8 @@ class Planner:
                 room -= take
                 rows += take
                 ended = ended or take == left
+                if take < left:
+                    break
         return out
 
     def close_gap(self) -> None:
@@ -272,14 +308,38 @@ class Planner:
         )
 
     @staticmethod
-    def one_ubatch(planned: list[Run], chunks: list[tuple[Run, int]]) -> None:
+    def fillers(
+        planned: list[Run], prefilling: list[Run], chunks: list[tuple[Run, int]], room: int
+    ) -> list[tuple[Run, int]]:
+        """With a KV stream per sequence, a row of each prompt not read this step whose
+        sequence lies among the generating ones: llama.cpp's micro-batch takes
+        consecutive sequence ids, so such a gap split the generating sequences' rows in
+        two micro-batches, a pass over the weights more (0.1 s beside seven streams of
+        2,000 cells), where the row costs a row. Never one that would leave a short tail,
+        nor an image's or prompt logprobs' prompt."""
+        seqs = [_seq(r) for r in planned]
+        low, high = min(seqs), max(seqs)
+        read = {r.id for r, _ in chunks}
+        out: list[tuple[Run, int]] = []
+        for run in prefilling:
+            left = len(run.req.prompt) - run.n_past
+            if room <= 0:
+                break
+            if run.id in read or run.req.media or run.req.prompt_logprobs:
+                continue
+            if low < _seq(run) < high and left > TAIL_ROWS:
+                out.append((run, 1))
+                room -= 1
+        return out
+
+    @staticmethod
+    def one_ubatch(planned: list[Run]) -> None:
         """With a KV stream per sequence llama.cpp splits a step into micro-batches of
         consecutive sequence ids with as many tokens each, and every micro-batch reads
-        all the weights again: generating sequences go in sequence order, and when they
-        all draft, with drafts of one length (the shortest: one micro-batch); when some
-        do not, only the longest draft stays (one more micro-batch, for its tokens)."""
-        planned.sort(key=lambda r: r.slot.seq if r.slot is not None else -1)
-        chunks.sort(key=lambda c: c[0].slot.seq if c[0].slot is not None else -1)
+        all the weights again: the step's rows go in sequence order (`fill`), and when
+        the generating sequences all draft, with drafts of one length (the shortest:
+        one micro-batch); when some do not, only the longest draft stays (one more
+        micro-batch, for its tokens)."""
         if len(planned) > 1:
             shortest = min(len(r.draft) for r in planned)
             longest = max(planned, key=lambda r: len(r.draft))
@@ -292,16 +352,16 @@ class Planner:
         """How many of `run`'s prompt tokens the step takes: up to `budget`, never past
         an image (evaluated on its own), fewer with prompt logprobs (a vocabulary of
         logits per token: the output buffer stays small). Never a tail of fewer than
-        TILE_ROWS rows left for a later step: the whole prompt if `room` holds it, else
-        TILE_ROWS short of it."""
+        TAIL_ROWS rows left for a later step: the whole prompt if `room` holds it, else
+        TAIL_ROWS short of it."""
         prompt = run.req.prompt
         left = len(prompt) - run.n_past
         take = min(left, budget)
-        if 0 < left - take < TILE_ROWS and not run.req.media and not run.req.prompt_logprobs:
+        if 0 < left - take < TAIL_ROWS and not run.req.media and not run.req.prompt_logprobs:
             if left <= (budget if room is None else room):
                 take = left
-            elif left > TILE_ROWS:  # (a batch of fewer rows than a tile reads as it can)
-                take = left - TILE_ROWS
+            elif left > TAIL_ROWS:  # (a batch of fewer rows than a tile reads as it can)
+                take = left - TAIL_ROWS
         if run.req.media:  # text up to the next image (evaluated next step)
             take = next(
                 (
