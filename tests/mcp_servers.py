@@ -66,8 +66,12 @@ def weather_server(folder: Path) -> MCPServer:
 
     @app.tool()
     async def hang(reason: str = "") -> str:
-        """Never answer."""
+        """Never answer (with reason "release": until the folder holds a file `release`)."""
         _record(folder, "hang", {"reason": reason})
+        for _ in range(72_000 if reason == "release" else 0):  # an hour, polled
+            if (folder / "release").exists():
+                return "released"
+            await asyncio.sleep(0.05)
         await asyncio.sleep(3600)
         return "late"
 

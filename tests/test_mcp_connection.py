@@ -66,17 +66,29 @@ def test_the_tools_are_listed_and_a_tool_not_offered_is_refused(connect, tmp_pat
 
 @pytest.mark.parametrize("cap", [1, 2])
 def test_calls_beyond_the_cap_wait_for_a_slot(connect, tmp_path: Path, cap: int) -> None:  # type: ignore[no-untyped-def]
-    c = connect(max_concurrent=cap, timeout_s=5.0)
-    hang = c.call("hang", {})
-    until(lambda: "hang" in logged(tmp_path), "the hanging call reached the server")
+    c = connect(max_concurrent=cap, timeout_s=60.0)
+    held = c.call("hang", {"reason": "release"})
+    until(lambda: "hang" in logged(tmp_path), "the held call reached the server")
     weather = c.call("get_weather", {"city": "Oslo"})
+    if cap == 1:  # it waits for the only slot: it reaches the server once the first ends
+        until(lambda: c.in_flight == 2, "the second call is under way")
+        assert logged(tmp_path) == ["hang"]
+        (tmp_path / "release").write_text("")
+        assert held.result(timeout=30).text == "released"
+    else:  # it runs beside the held call
+        assert weather.result(timeout=30).kind == "ok"
+        assert not held.done()
+        (tmp_path / "release").write_text("")
     assert weather.result(timeout=30).kind == "ok"
-    if cap == 1:  # it waited for the only slot: the hanging call had timed out first
-        assert hang.done()
-        assert hang.result().kind == "timeout"
-    else:  # it ran beside the hanging call
-        assert not hang.done()
-        assert hang.result(timeout=30).kind == "timeout"
+    assert held.result(timeout=30).kind == "ok"
+    assert logged(tmp_path) == ["hang", "get_weather"]
+
+
+def test_a_call_that_times_out_frees_its_slot(connect, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    c = connect(max_concurrent=1, timeout_s=2.0)
+    hang = c.call("hang", {})
+    assert hang.result(timeout=30).kind == "timeout"
+    assert c.call("get_weather", {"city": "Oslo"}).result(timeout=30).kind == "ok"
     assert logged(tmp_path) == ["hang", "get_weather"]
 
 
