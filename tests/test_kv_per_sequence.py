@@ -28,6 +28,22 @@ def model(tiny_path: Path) -> Iterator[LlamaModel]:
     m.free()
 
 
+@pytest.fixture
+def decoded(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int, int]]]:
+    """Every batch the engine hands `llama_decode`, as its rows: (sequence, token,
+    position) each."""
+    steps: list[list[tuple[int, int, int]]] = []
+    decode = ll.llama_decode
+
+    def recorded(ctx: object, batch: ll.llama_batch) -> int:
+        rows = range(batch.n_tokens)
+        steps.append([(batch.seq_id[i][0], batch.token[i], batch.pos[i]) for i in rows])
+        return decode(ctx, batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ll, "llama_decode", recorded)
+    return steps
+
+
 def options(**kw: object) -> EngineOptions:
     return EngineOptions(n_ctx=N_CTX, kv_per_sequence=True, **kw)  # type: ignore[arg-type]
 
@@ -224,21 +240,13 @@ async def test_a_gap_closes_over_a_parked_conversation_which_the_state_cache_kee
 
 
 async def test_a_prompt_read_between_generating_sequences_lists_its_rows_in_their_order(
-    model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+    model: LlamaModel, decoded: list[list[tuple[int, int, int]]]
 ) -> None:
     """llama.cpp splits a step with a KV stream per sequence into micro-batches of
     consecutive sequence ids, taking each id in the order the batch lists it: a prompt
     on sequence 1 listed after generating sequences 0 and 2 split the step's first rows
     in two micro-batches (a pass over the weights more). Every step lists its
     sequences' rows in sequence order, each sequence's together."""
-    steps: list[list[int]] = []
-    decode = ll.llama_decode
-
-    def recorded(ctx: object, batch: ll.llama_batch) -> int:
-        steps.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])
-        return decode(ctx, batch)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ll, "llama_decode", recorded)
     e = Engine(model, options(n_seq_max=3, max_pins=0, prefill_chunk=64)).start()
     try:
         texts = ["Once upon a time", "def main():", "The capital of France"]
@@ -250,6 +258,7 @@ async def test_a_prompt_read_between_generating_sequences_lists_its_rows_in_thei
             *(answer(e, p, n, ignore_eos=True) for p, n in zip(prompts, lengths, strict=True))
         )
         assert [len(d.tokens) for d in done] == lengths
+        steps = [[q for q, _, _ in rows] for rows in decoded]
         beside = [s for s in steps if {0, 2} <= set(s) and s.count(1) > 1]
         assert beside, "the document was never read beside both generating sequences"
         for step in steps:
@@ -259,21 +268,12 @@ async def test_a_prompt_read_between_generating_sequences_lists_its_rows_in_thei
 
 
 async def test_a_prompt_waiting_between_generating_sequences_lends_them_a_row(
-    model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+    model: LlamaModel, decoded: list[list[tuple[int, int, int]]]
 ) -> None:
     """Two prompts take the slots of two short answers between running ones; while the
     first is read, the second waits, its id a gap among the step's that would split the
     running rows in two micro-batches: it lends the step one prompt row (in their
     micro-batch), and its answer is what it is alone."""
-    steps: list[list[tuple[int, int, int]]] = []  # (sequence, token, position) a row
-    decode = ll.llama_decode
-
-    def recorded(ctx: object, batch: ll.llama_batch) -> int:
-        rows = range(batch.n_tokens)
-        steps.append([(batch.seq_id[i][0], batch.token[i], batch.pos[i]) for i in rows])
-        return decode(ctx, batch)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ll, "llama_decode", recorded)
     e = Engine(model, options(n_seq_max=5, max_pins=0, prefill_chunk=64)).start()
     try:
         texts = ["Once upon a time", "def main():", "The capital of France", "1, 2,", "Hi"]
@@ -288,7 +288,7 @@ async def test_a_prompt_waiting_between_generating_sequences_lends_them_a_row(
         assert [len(d.tokens) for d in done] == lengths
         waiting = prompts[6]
         lent = 0
-        for step in steps:
+        for step in decoded:
             assert [q for q, _, _ in step] == sorted(q for q, _, _ in step)
             by_seq: dict[int, list[tuple[int, int]]] = {}
             for q, token, pos in step:

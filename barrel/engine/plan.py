@@ -131,7 +131,8 @@ class Planner:
         # rows left for the forced starts of prompts that end in this step
         spare = b.capacity - len(planned) - sum(len(r.draft) for r in planned)
         spare -= sum(t for _, t in chunks + pins)
-        rows: list[tuple[int, Run | PinJob, int]] = [(_seq(r), r, -1) for r in planned]
+        # (sequence, who, prompt rows taken: None for a generating sequence's next token)
+        rows: list[tuple[int, Run | PinJob, int | None]] = [(_seq(r), r, None) for r in planned]
         rows += [(_seq(r), r, take) for r, take in chunks]
         rows += [(job.slot.seq, job, take) for job, take in pins]
         if self.kv.per_sequence:
@@ -139,14 +140,15 @@ class Planner:
             # takes a row of each of them (a prompt's first row between generating
             # sequences' included), not two micro-batches split at the prompt's id
             rows.sort(key=lambda row: row[0])
-        for _, who, take in rows:
-            if isinstance(who, PinJob):
-                for pos in range(who.n_past, who.n_past + take):
-                    b.add(who.tokens[pos], pos, who.slot.seq, False)
-            elif take < 0:
+        for _, who, rows_taken in rows:
+            if rows_taken is None:
+                assert isinstance(who, Run)
                 entries.append(self._add_next(who))
+            elif isinstance(who, PinJob):
+                for pos in range(who.n_past, who.n_past + rows_taken):
+                    b.add(who.tokens[pos], pos, who.slot.seq, False)
             else:
-                entries.append(self._add_chunk(who, take))
+                entries.append(self._add_chunk(who, rows_taken))
                 if entries[-1][1] >= 0:
                     spare -= self.force_start(who, spare)
         self.pins = pins
