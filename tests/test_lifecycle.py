@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import llama_cpp as ll
 import msgspec
 import pytest
 from aiohttp import web
@@ -22,6 +23,7 @@ from barrel.actors.lifecycle import Lease, Lifecycle
 from barrel.actors.loader import ModelSpec, fit
 from barrel.actors.memory import ModelWouldOOM, available_bytes, kv_cache_bytes
 from barrel.config import Config
+from barrel.engine import engine as engine_module
 from barrel.engine.context import EngineOptions
 from barrel.engine.errors import EngineCrashed
 from barrel.engine.types import FinishReason, GenerationRequest
@@ -120,6 +122,63 @@ async def test_fifo_queue_admits_two_queues_four_and_refuses_two(
     assert order == [2, 3, 4, 5]
     for lease in leases.values():
         await lc.release(lease)
+
+
+async def test_a_place_freed_while_a_request_queues_is_taken_in_the_next_step(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two places, a long answer and a short one running, a third request queued: when the
+    short one ends, the engine's next step reads the queued request's prompt beside the
+    long answer (it waits the few ms the daemon takes to admit it) instead of running
+    with the place empty."""
+    # the wait ends when the request arrives; its bound (a step's time) only as a safety net
+    monkeypatch.setattr(engine_module, "HANDOFF_MIN_S", 60.0)
+    steps: list[list[tuple[int, int, int]]] = []  # (sequence, token, position) of each row
+    decode = ll.llama_decode
+
+    def recorded(ctx: object, batch: ll.llama_batch) -> int:
+        rows = range(batch.n_tokens)
+        steps.append([(batch.seq_id[i][0], batch.token[i], batch.pos[i]) for i in rows])
+        return decode(ctx, batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ll, "llama_decode", recorded)
+    _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path})
+    long, short = await lc.acquire("tiny"), await lc.acquire("tiny")
+    engine = long.engine
+    queued = asyncio.Event()
+    third = asyncio.create_task(lc.acquire("tiny", on_queued=lambda _: queued.set()))
+    await queued.wait()
+    story = engine.tokenize("Once upon a time")
+    running = engine.submit(GenerationRequest(story, max_tokens=900, ignore_eos=True))
+    reading = asyncio.create_task(running.collect())  # read: a stream nobody reads pauses
+    prompt = engine.tokenize("def main():")
+    request = GenerationRequest(prompt, max_tokens=3, ignore_eos=True)
+    _, done = await engine.submit(request).collect()
+    # a slow hand-off (a busy event loop): without the wait the long answer steps on alone
+    await asyncio.sleep(0.2)
+    await lc.release(short)
+    lease = await third
+    later = engine.tokenize(" ".join(f"item {k} costs {k * 3}" for k in range(20)))
+    request = GenerationRequest(later, max_tokens=2, ignore_eos=True)
+    _, after = await lease.engine.submit(request).collect()
+    await lc.release(lease)
+    running.cancel()
+    await asyncio.gather(reading, return_exceptions=True)
+    await lc.release(long)
+    assert len(done.tokens) == 3
+    assert len(after.tokens) == 2
+
+    def seq_of(tokens: list[int]) -> int:
+        last = (tokens[-1], len(tokens) - 1)
+        return next(q for rows in steps for q, t, p in rows if (t, p) == last)
+
+    story_seq, short_seq = seq_of(story), seq_of(prompt)
+    answered = [(short_seq, t, len(prompt) + j) for j, t in enumerate(done.tokens)]
+    ended = max(i for i, rows in enumerate(steps) if set(rows) & set(answered))
+    following = steps[ended + 1]
+    assert any(q == story_seq for q, _, _ in following), "the long answer had ended"
+    read = [p for q, t, p in following if q != story_seq and p < len(later) and later[p] == t]
+    assert read, "the step after the short answer ended ran without the queued request"
 
 
 async def test_a_waiting_request_that_gives_up_leaves_the_queue(

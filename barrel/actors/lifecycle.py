@@ -86,6 +86,8 @@ class Lifecycle:
         self._store_specs: dict[str, tuple[float, tuple[int, int], ModelSpec]] = {}
         # The engine each model's last request got (see `_engine`).
         self._engines: dict[str, Engine] = {}
+        # Requests in each model's queue for a place; its engine hears (`Engine.set_queued`).
+        self._queued: dict[str, int] = {}
         # Unloads asked for while the model served others, by model: they hear when its
         # last request ended and the model went (loop thread only).
         self._idle_unloads: dict[str, list[asyncio.Future[bool]]] = {}
@@ -316,12 +318,15 @@ class Lifecycle:
             if position > 0:
                 if on_queued is not None:
                     on_queued(position)
+                self._queue(name, 1)
                 try:
                     await asyncio.wait_for(admitted.wait(), spec.queue_timeout)
                 except TimeoutError:
                     raise Unavailable(
                         f"waited {spec.queue_timeout:.0f}s in the queue of {name}", retry_after=5.0
                     ) from None
+                finally:
+                    self._queue(name, -1)
             engine = await self._engine(spec, on_loading)
         except BaseException:
             await self._release(name, ticket, None)
@@ -360,7 +365,15 @@ class Lifecycle:
             return cached
         engine = await self._load(spec, on_loading)
         self._engines[spec.name] = engine
+        engine.set_queued(self._queued.get(spec.name, 0))
         return engine
+
+    def _queue(self, name: str, change: int) -> None:
+        """One request more (or fewer) waits in `name`'s queue for a place."""
+        n = self._queued[name] = max(0, self._queued.get(name, 0) + change)
+        engine = self._engines.get(name)
+        if engine is not None:
+            engine.set_queued(n)
 
     async def release(self, lease: Lease, keep_alive: float | None = None) -> None:
         await self._release(lease.model, lease.ticket, keep_alive)

@@ -9,7 +9,18 @@ import numpy as np
 
 from barrel.engine.context import Batch
 from barrel.engine.errors import KVCacheFull
+from barrel.engine.inbox import Embed
 from barrel.errors import BarrelError
+
+
+def answer_embed(cmd: Embed, ctx: Any, batch: Batch, n_embd: int, n_seq_max: int) -> None:
+    """Resolve an `Embed` command with its inputs' pooled embeddings, or reject it."""
+    try:
+        result = compute_embeddings(ctx, batch, n_embd, n_seq_max, cmd.inputs, cmd.normalize)
+    except BarrelError as exc:
+        cmd.reply.reject(exc)
+        return
+    cmd.reply.resolve(result)
 
 
 def compute_embeddings(

@@ -44,7 +44,7 @@ from barrel.engine.context import (
     open_context,
 )
 from barrel.engine.deliver import Delivery
-from barrel.engine.embed import compute_embeddings
+from barrel.engine.embed import answer_embed
 from barrel.engine.errors import (
     EngineCrashed,
     EngineStopped,
@@ -74,6 +74,10 @@ from barrel.futures import Reply, ToLoop
 __all__ = ["Engine", "EngineObserver", "EngineOptions"]
 
 logger = logging.getLogger(__name__)
+
+# A place freed while requests queue for one: the next step waits for its new request (a
+# few ms on the event loop) up to as long as the last step took, or at least this.
+HANDOFF_MIN_S = 0.02
 
 
 class Engine:
@@ -131,6 +135,7 @@ class Engine:
         # Open sessions that may submit a request (`expect`); the engine thread only reads
         # it: an idle engine gathers a first step only while one of them has not arrived.
         self._expected = 0
+        self._queued = 0  # requests the daemon's queue holds for a place (`set_queued`)
         self.crashed: BaseException | None = None
         self.steps = 0  # decode steps done
         # a reranker's pooled output is its classifier's scores, not a hidden state
@@ -221,6 +226,11 @@ class Engine:
         with self._gate:
             self._expected += sessions
 
+    def set_queued(self, requests: int) -> None:
+        """`requests` wait in the daemon's queue for a place here (any thread): a run that
+        ends while any do holds the next step for the one that takes its place."""
+        self._queued = requests
+
     @property
     def expected(self) -> int:
         """Open sessions that may submit a request (`expect`)."""
@@ -300,12 +310,15 @@ class Engine:
                 idle = not roster.active and not roster.pinning
                 self._drain(block=not self._has_work(), timeout=self.turns.wait())
                 if idle and roster.waiting and self.options.gather_s > 0:
-                    self._gather(self.options.gather_s)
+                    self._gather(self.options.gather_s, self._coming)
                 if self._stopped.is_set():
                     break
                 self.admission.admit()
                 if roster.active or roster.pinning:
-                    self._step()
+                    running = len(roster.active)
+                    took = self._step()
+                    if len(roster.active) < running and self._queued and self.kv.free_slots():
+                        self._gather(max(took, HANDOFF_MIN_S), lambda: not roster.waiting)
                 elif self.turns.due() and not roster.waiting:
                     self.turns.decode()
             self._fail_all(EngineStopped(f"engine {self.name} stopped", retry_after=1.0))
@@ -343,9 +356,7 @@ class Engine:
 
     def _has_work(self) -> bool:
         roster = self.roster
-        if roster.pinning or (roster.waiting and self.kv.free_slots()):
-            return True
-        if self.turns.due():
+        if roster.pinning or (roster.waiting and self.kv.free_slots()) or self.turns.due():
             return True
         return any(runnable(r) for r in roster.active)
 
@@ -361,11 +372,13 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _gather(self, seconds: float) -> None:
-        """Requests that arrive within `seconds` join the first step, while sessions are
-        open whose request has not arrived (`expect`)."""
+    def _gather(self, seconds: float, coming: Callable[[], bool]) -> None:
+        """Requests that arrive within `seconds`, while `coming()` says one is on its way,
+        join the next step."""
         deadline = time.monotonic() + seconds
-        while self._coming() and (left := deadline - time.monotonic()) > 0:
+        while coming() and (left := deadline - time.monotonic()) > 0:
+            if self._stopped.is_set():
+                return
             try:
                 self._handle(self._inbox.get(timeout=left))
             except queue.Empty:
@@ -388,7 +401,7 @@ class Engine:
                 self.delivery.finish(run, FinishReason.CANCELLED)
                 self.delivery.flush()
         elif isinstance(cmd, Embed):
-            self._embed(cmd)
+            answer_embed(cmd, self.ctx, self._batch, self._pooled, self.options.n_seq_max)
         elif isinstance(cmd, Pin):
             slot = self.kv.pin_slot(cmd.tokens, cmd.scope)
             if slot is None:
@@ -403,7 +416,8 @@ class Engine:
 
     # -- one step -----------------------------------------------------------------
 
-    def _step(self) -> None:
+    def _step(self) -> float:
+        """One step; how long its decode took (-1: none)."""
         delivery = self.delivery
         for run in [r for r in self.roster.active if r.cancelled]:
             delivery.finish(run, FinishReason.CANCELLED)
@@ -426,6 +440,7 @@ class Engine:
             self.observer.step(self._batch.n, active, cells, elapsed)
         self.observer.occupancy(active, cells, self.kv.busy_cells())
         delivery.flush()
+        return elapsed
 
     def _decode(self, entries: list[Entry]) -> list[Entry]:
         """Decode the batch. With no KV room: evict parked sequences, then idle pinned
@@ -466,22 +481,7 @@ class Engine:
             self.delivery.fail(run, error)
         self.delivery.flush()
 
-    # -- embeddings and teardown ----------------------------------------------------
-
-    def _embed(self, cmd: Embed) -> None:
-        try:
-            result = compute_embeddings(
-                self.ctx,
-                self._batch,
-                self._pooled,
-                self.options.n_seq_max,
-                cmd.inputs,
-                cmd.normalize,
-            )
-        except BarrelError as exc:
-            cmd.reply.reject(exc)
-            return
-        cmd.reply.resolve(result)
+    # -- teardown -------------------------------------------------------------------
 
     def _free(self) -> None:
         if self.ctx is None:
