@@ -5,6 +5,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import llama_cpp as ll
 import pykka
 import pytest
 
@@ -17,6 +18,22 @@ from barrel.store.synthetic import tiny_model
 # under speculation): every daemon and engine it starts, in this process or a child,
 # runs batch-invariant kernels. tests/test_kernels.py starts one with llama.cpp's.
 os.environ[BATCH_INVARIANT_ENV] = "1"
+
+
+@pytest.fixture
+def decoded(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int, int]]]:
+    """Every batch the engine hands `llama_decode` (in this process), as its rows: (sequence, token,
+    position) each."""
+    steps: list[list[tuple[int, int, int]]] = []
+    decode = ll.llama_decode
+
+    def recorded(ctx: object, batch: ll.llama_batch) -> int:
+        rows = range(batch.n_tokens)
+        steps.append([(batch.seq_id[i][0], batch.token[i], batch.pos[i]) for i in rows])
+        return decode(ctx, batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ll, "llama_decode", recorded)
+    return steps
 
 
 @pytest.fixture(autouse=True)

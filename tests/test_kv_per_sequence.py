@@ -28,22 +28,6 @@ def model(tiny_path: Path) -> Iterator[LlamaModel]:
     m.free()
 
 
-@pytest.fixture
-def decoded(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int, int]]]:
-    """Every batch the engine hands `llama_decode`, as its rows: (sequence, token,
-    position) each."""
-    steps: list[list[tuple[int, int, int]]] = []
-    decode = ll.llama_decode
-
-    def recorded(ctx: object, batch: ll.llama_batch) -> int:
-        rows = range(batch.n_tokens)
-        steps.append([(batch.seq_id[i][0], batch.token[i], batch.pos[i]) for i in rows])
-        return decode(ctx, batch)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ll, "llama_decode", recorded)
-    return steps
-
-
 def options(**kw: object) -> EngineOptions:
     return EngineOptions(n_ctx=N_CTX, kv_per_sequence=True, **kw)  # type: ignore[arg-type]
 

@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import llama_cpp as ll
 import msgspec
 import pytest
 from aiohttp import web
@@ -125,7 +124,11 @@ async def test_fifo_queue_admits_two_queues_four_and_refuses_two(
 
 
 async def test_a_place_freed_while_a_request_queues_is_taken_in_the_next_step(
-    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path, monkeypatch: pytest.MonkeyPatch
+    aiohttp_client: MakeClient,
+    tmp_path: Path,
+    tiny_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    decoded: list[list[tuple[int, int, int]]],
 ) -> None:
     """Two places, a long answer and a short one running, a third request queued: when the
     short one ends, the engine's next step reads the queued request's prompt beside the
@@ -133,15 +136,6 @@ async def test_a_place_freed_while_a_request_queues_is_taken_in_the_next_step(
     with the place empty."""
     # the wait ends when the request arrives; its bound (a step's time) only as a safety net
     monkeypatch.setattr(engine_module, "HANDOFF_MIN_S", 60.0)
-    steps: list[list[tuple[int, int, int]]] = []  # (sequence, token, position) of each row
-    decode = ll.llama_decode
-
-    def recorded(ctx: object, batch: ll.llama_batch) -> int:
-        rows = range(batch.n_tokens)
-        steps.append([(batch.seq_id[i][0], batch.token[i], batch.pos[i]) for i in rows])
-        return decode(ctx, batch)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ll, "llama_decode", recorded)
     _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path})
     long, short = await lc.acquire("tiny"), await lc.acquire("tiny")
     engine = long.engine
@@ -170,12 +164,12 @@ async def test_a_place_freed_while_a_request_queues_is_taken_in_the_next_step(
 
     def seq_of(tokens: list[int]) -> int:
         last = (tokens[-1], len(tokens) - 1)
-        return next(q for rows in steps for q, t, p in rows if (t, p) == last)
+        return next(q for rows in decoded for q, t, p in rows if (t, p) == last)
 
     story_seq, short_seq = seq_of(story), seq_of(prompt)
     answered = [(short_seq, t, len(prompt) + j) for j, t in enumerate(done.tokens)]
-    ended = max(i for i, rows in enumerate(steps) if set(rows) & set(answered))
-    following = steps[ended + 1]
+    ended = max(i for i, rows in enumerate(decoded) if set(rows) & set(answered))
+    following = decoded[ended + 1]
     assert any(q == story_seq for q, _, _ in following), "the long answer had ended"
     read = [p for q, t, p in following if q != story_seq and p < len(later) and later[p] == t]
     assert read, "the step after the short answer ended ran without the queued request"
