@@ -34,7 +34,7 @@ from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
 from barrel.engine.speculate import ALIGN, NgramDrafter, align_drafts
-from barrel.engine.types import GenerationRequest, SamplingParams
+from barrel.engine.types import EngineRequest, SamplingParams
 from barrel.store import bundled
 from bench.http import prompt_of
 from bench.peers import CODE_EDIT
@@ -140,7 +140,7 @@ async def answers(
     try:
         out = {}
         for name, prompt in prompts.items():
-            request = GenerationRequest(
+            request = EngineRequest(
                 prompt, max_tokens=tokens, sampling=SamplingParams(temperature=0)
             )
             _, done = await engine.submit(request).collect()

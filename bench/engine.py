@@ -23,7 +23,7 @@ import llama_cpp as ll
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GREEDY, GenerationRequest, SessionId
+from barrel.engine.types import GREEDY, EngineRequest, SessionId
 from barrel.store import bundled
 
 PROMPT = (
@@ -89,7 +89,7 @@ def bare_loop(model: LlamaModel, prompt: list[int], n_tokens: int) -> float:
 
 
 async def engine_stream(engine: Engine, prompt: list[int], n_tokens: int) -> float:
-    req = GenerationRequest(prompt, GREEDY, max_tokens=n_tokens, ignore_eos=True)
+    req = EngineRequest(prompt, GREEDY, max_tokens=n_tokens, ignore_eos=True)
     _, done = await engine.submit(req).collect()
     return (done.usage.completion_tokens - 1) / done.timings.decode_s
 
@@ -102,9 +102,7 @@ async def aggregate(engine: Engine, model: LlamaModel, streams: int, n_tokens: i
     start = time.perf_counter()
     results = await asyncio.gather(
         *(
-            engine.submit(
-                GenerationRequest(p, GREEDY, max_tokens=n_tokens, ignore_eos=True)
-            ).collect()
+            engine.submit(EngineRequest(p, GREEDY, max_tokens=n_tokens, ignore_eos=True)).collect()
             for p in prompts
         )
     )
@@ -145,7 +143,7 @@ async def ttft_turn3(model: LlamaModel, opts: EngineOptions) -> tuple[float, flo
             turns.append(("user", user))
             prompt = model.tokenize(render(turns))
             deltas, done = await engine.submit(
-                GenerationRequest(prompt, GREEDY, max_tokens=48, session=session)
+                EngineRequest(prompt, GREEDY, max_tokens=48, session=session)
             ).collect()
             turns.append(("assistant", "".join(d.text for d in deltas)))
             if i == 2:
@@ -158,9 +156,7 @@ async def ttft_turn3(model: LlamaModel, opts: EngineOptions) -> tuple[float, flo
         engine.stop()
     cold_engine = Engine(model, opts, name="cold").start()
     try:
-        _, done = await cold_engine.submit(
-            GenerationRequest(prompt, GREEDY, max_tokens=1)
-        ).collect()
+        _, done = await cold_engine.submit(EngineRequest(prompt, GREEDY, max_tokens=1)).collect()
         cold = done.timings.time_to_first_token_s
     finally:
         cold_engine.stop()

@@ -33,7 +33,7 @@ import aiohttp
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import Delta, Done, GenerationRequest, SamplingParams, SessionId
+from barrel.engine.types import Delta, Done, EngineRequest, SamplingParams, SessionId
 from barrel.pipeline.chat import ChatRequest, make_template, prepare
 from barrel.pipeline.request import Dialect
 from barrel.pipeline.sampling import effective, sampling_params
@@ -68,7 +68,7 @@ async def engine_request(
     """(time to first token, completion tokens, end time)."""
     start = time.perf_counter()
     first = 0.0
-    req = GenerationRequest(prompt, sampling, max_tokens=n, session=session)
+    req = EngineRequest(prompt, sampling, max_tokens=n, session=session)
     async with engine.submit(req) as stream:
         async for event in stream:
             if isinstance(event, Delta) and event.text and not first:

@@ -28,7 +28,7 @@ import asyncio
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GenerationRequest
+from barrel.engine.types import EngineRequest
 from barrel.store import bundled
 
 SHORT = [
@@ -79,7 +79,7 @@ async def answers(
         for prompt in asks:
             runs = []
             for _ in range(2 if twice else 1):
-                req = GenerationRequest(prompt, max_tokens=tokens)
+                req = EngineRequest(prompt, max_tokens=tokens)
                 _, done = await engine.submit(req).collect()
                 runs.append(tuple(done.tokens))
             out.append(runs)

@@ -18,7 +18,7 @@ import time
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GenerationRequest, SamplingParams
+from barrel.engine.types import EngineRequest, SamplingParams
 from barrel.metrics import Metrics
 from barrel.store import bundled
 from bench.http import prompt_of
@@ -40,7 +40,7 @@ WORKLOADS = {
 
 async def one_round(engine: Engine, prompt: list[int], tokens: int) -> tuple[int, float]:
     start = time.perf_counter()
-    request = GenerationRequest(prompt, max_tokens=tokens, sampling=SamplingParams(temperature=0))
+    request = EngineRequest(prompt, max_tokens=tokens, sampling=SamplingParams(temperature=0))
     _, done = await engine.submit(request).collect()
     return done.usage.completion_tokens, time.perf_counter() - start - done.timings.prefill_s
 

@@ -22,7 +22,7 @@ import pytest
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GREEDY, GenerationRequest
+from barrel.engine.types import GREEDY, EngineRequest
 from barrel.store.synthetic import tiny_audio_projector, tiny_projector
 from tests.daemon import Daemon, serve_models
 from tests.sounds import flac, flac_bomb, tone_wav, wav_declaring
@@ -63,7 +63,7 @@ async def test_a_long_clip_is_several_windows_each_evaluated(
         head = model.tokenize("<|im_start|>user\n")
         tail = model.tokenize("What?<|im_end|>\n<|im_start|>assistant\n", add_special=False)
         prompt = [*head, *two.tokens(), *tail]
-        request = GenerationRequest(prompt, GREEDY, max_tokens=4, media=two.media)
+        request = EngineRequest(prompt, GREEDY, max_tokens=4, media=two.media)
         _, done = await e.submit(request).collect()
         assert done.usage.prompt_tokens == len(prompt)
         # the same clip again: both windows come from the KV cache

@@ -17,12 +17,12 @@ from barrel.config import LimitsConfig
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GenerationRequest, SamplingParams
+from barrel.engine.types import EngineRequest, SamplingParams
 from barrel.errors import InvalidRequest
-from barrel.pipeline import generate
+from barrel.pipeline import generation
 from barrel.pipeline.chat import ChatRequest, prepare, run, template_tools
 from barrel.pipeline.events import Finished, ReasoningDelta, TextDelta, ToolCallEvent
-from barrel.pipeline.request import Dialect, Format, GenerateRequest, Tool, ToolChoice, text
+from barrel.pipeline.request import ApiRequest, Dialect, Format, Tool, ToolChoice, text
 from barrel.pipeline.templates import ChatTemplate
 from barrel.pipeline.toolcalls import detect_family
 
@@ -165,8 +165,8 @@ async def test_structured_output_without_thinking(tiny: Setup) -> None:
 
 
 def test_bad_requests_are_refused_before_generation() -> None:
-    """The neutral rules hold for every dialect, before any lease (generate.check)."""
-    ask = GenerateRequest(model="m", dialect=Dialect.OPENAI, messages=(text("user", "x"),))
+    """The neutral rules hold for every dialect, before any lease (generation.check)."""
+    ask = ApiRequest(model="m", dialect=Dialect.OPENAI, messages=(text("user", "x"),))
     for req, message in [
         (
             msgspec.structs.replace(
@@ -185,7 +185,7 @@ def test_bad_requests_are_refused_before_generation() -> None:
         ),
     ]:
         with pytest.raises(InvalidRequest, match=message):
-            generate.check(req, LimitsConfig())
+            generation.check(req, LimitsConfig())
 
 
 def test_dialect_shaped_image_parts_are_refused_by_prepare() -> None:
@@ -247,18 +247,6 @@ async def test_the_system_and_tools_head_is_pinned_and_timed(tiny: Setup) -> Non
     count = metrics.registry.get_sample_value("barrel_pipeline_template_render_seconds_count")
     assert count == 2
     assert metrics.registry.get_sample_value("barrel_pipeline_output_parse_seconds_count") == 2
-
-
-async def test_tool_mode_grammar_forces_calls_even_on_auto(tiny: Setup) -> None:
-    req = ChatRequest(
-        user("Hello"),
-        tools=(WEATHER,),
-        tool_mode="grammar",
-        sampling=SamplingParams(temperature=1.0, seed=2),
-        max_tokens=200,
-    )
-    calls = [e for e in await tiny.chat(req) if isinstance(e, ToolCallEvent)]
-    assert [c.name for c in calls] == ["get_weather"]
 
 
 def test_go_templates_from_modelfiles_are_converted() -> None:
@@ -358,7 +346,7 @@ async def test_a_forced_call_is_written_in_the_family_s_own_syntax(tiny: Setup) 
     assert not prep.forced_call  # not a bare JSON object: the family's parser reads it
     (start,) = tokenize_as("<tool_call>", False, True)
     (end,) = tokenize_as("</tool_call>", False, True)
-    _, done = await tiny.engine.submit(GenerationRequest(prep.prompt, prep.sampling)).collect()
+    _, done = await tiny.engine.submit(EngineRequest(prep.prompt, prep.sampling)).collect()
     assert done.tokens[0] == start
     assert done.tokens[-1] == end
     events = [e async for e in run(tiny.engine, req, prep)]

@@ -15,7 +15,7 @@ import pytest
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.errors import ModelLoadError
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GREEDY, Done, GenerationRequest
+from barrel.engine.types import GREEDY, Done, EngineRequest
 from tests.daemon import Daemon, serve_models
 
 
@@ -51,7 +51,7 @@ PROMPTS = (
 
 
 async def _answers(
-    target: Path, draft: Path | None, requests: list[GenerationRequest]
+    target: Path, draft: Path | None, requests: list[EngineRequest]
 ) -> tuple[list[Done], Observer]:
     model = LlamaModel.load(target)
     observer = Observer()
@@ -65,7 +65,7 @@ async def _answers(
         model.free()
 
 
-def _requests(model_path: Path, n: int) -> list[GenerationRequest]:
+def _requests(model_path: Path, n: int) -> list[EngineRequest]:
     vocab = LlamaModel.load(model_path)
     try:
         prompts = [vocab.tokenize(p) for p in PROMPTS]
@@ -73,8 +73,8 @@ def _requests(model_path: Path, n: int) -> list[GenerationRequest]:
         vocab.free()
     seeded = msgspec.structs.replace(GREEDY, temperature=0.8, seed=7)
     return [
-        GenerationRequest(prompts[0], GREEDY, max_tokens=n),
-        GenerationRequest(prompts[1], seeded, max_tokens=n),
+        EngineRequest(prompts[0], GREEDY, max_tokens=n),
+        EngineRequest(prompts[1], seeded, max_tokens=n),
     ]
 
 

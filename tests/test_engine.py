@@ -19,12 +19,12 @@ from barrel.engine.slots import PARKED_MAX_CELLS
 from barrel.engine.types import (
     Delta,
     Done,
+    EngineRequest,
     FinishReason,
-    GenerationRequest,
     SamplingParams,
     SessionId,
 )
-from barrel.pipeline.grammar import json_schema_grammar
+from barrel.pipeline.formats import json_schema_grammar
 
 PROMPTS = ["Hello world", "Once upon a time", "def f(x):", "The capital of France is"]
 
@@ -43,13 +43,13 @@ async def engine(model: LlamaModel) -> AsyncIterator[Engine]:
     await asyncio.to_thread(e.stop)
 
 
-async def generate(engine: Engine, req: GenerationRequest) -> tuple[str, Done, list[Delta]]:
+async def generate(engine: Engine, req: EngineRequest) -> tuple[str, Done, list[Delta]]:
     deltas, done = await engine.submit(req).collect()
     return "".join(d.text for d in deltas), done, deltas
 
 
-def req(model: LlamaModel, text: str, **kw: object) -> GenerationRequest:
-    return GenerationRequest(model.tokenize(text), **kw)  # type: ignore[arg-type]
+def req(model: LlamaModel, text: str, **kw: object) -> EngineRequest:
+    return EngineRequest(model.tokenize(text), **kw)  # type: ignore[arg-type]
 
 
 async def cold_answer(
@@ -58,7 +58,7 @@ async def cold_answer(
     """The tokens a fresh engine with no state cache answers `prompt` with."""
     e = Engine(model, EngineOptions(n_ctx=n_ctx, n_seq_max=1, state_cache_bytes=0)).start()
     try:
-        _, done, _ = await generate(e, GenerationRequest(prompt, max_tokens=max_tokens))
+        _, done, _ = await generate(e, EngineRequest(prompt, max_tokens=max_tokens))
     finally:
         e.stop()
     return done.tokens
@@ -109,11 +109,11 @@ async def test_max_tokens_and_full_context_end_with_length(model: LlamaModel) ->
     e = Engine(model, EngineOptions(n_ctx=64, n_seq_max=1)).start()
     try:
         prompt = model.tokenize("Hello world")
-        _text, done, _ = await generate(e, GenerationRequest(prompt))
+        _text, done, _ = await generate(e, EngineRequest(prompt))
         assert done.finish_reason is FinishReason.LENGTH
         assert len(prompt) + done.usage.completion_tokens == 64
         with pytest.raises(PromptTooLong):
-            e.submit(GenerationRequest(list(range(100, 164))))
+            e.submit(EngineRequest(list(range(100, 164))))
     finally:
         e.stop()
 
@@ -282,7 +282,7 @@ async def test_second_turn_reuses_the_parked_sequence(engine: Engine, model: Lla
     # another session runs in between on another sequence
     await generate(engine, req(model, "Unrelated", max_tokens=20, session=SessionId("other")))
     turn2 = [*first.prompt, *done1.tokens, *model.tokenize(" and more", add_special=False)]
-    _, done2, _ = await generate(engine, GenerationRequest(turn2, max_tokens=5, session=session))
+    _, done2, _ = await generate(engine, EngineRequest(turn2, max_tokens=5, session=session))
     assert done2.usage.prompt_reused == len(first.prompt) + len(done1.tokens) - 1
     assert done2.usage.prompt_computed == len(turn2) - done2.usage.prompt_reused
 
@@ -296,9 +296,7 @@ async def test_evicted_sequence_is_restored_from_the_state_cache(model: LlamaMod
         await generate(e, req(model, "Lorem ipsum", max_tokens=30, session=SessionId("b")))
         assert len(e.cache) == 1
         turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" jumps", add_special=False)]
-        _, done2, _ = await generate(
-            e, GenerationRequest(turn2, max_tokens=10, session=SessionId("a"))
-        )
+        _, done2, _ = await generate(e, EngineRequest(turn2, max_tokens=10, session=SessionId("a")))
         assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
         # and the restored state is right: same output as a cold run
         assert done2.tokens == await cold_answer(model, turn2, 1024, 10)
@@ -317,7 +315,7 @@ async def test_a_sessionless_sequence_cut_for_another_request_is_saved(
         await generate(e, req(model, "Lorem ipsum", max_tokens=10))
         assert len(e.cache) == 1
         turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" again", add_special=False)]
-        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5))
+        _, done2, _ = await generate(e, EngineRequest(turn2, max_tokens=5))
         assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
     finally:
         e.stop()
@@ -330,12 +328,12 @@ async def test_a_request_sharing_a_short_prefix_leaves_the_parked_sequence_whole
     cold = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=1, state_cache_bytes=0)).start()
     try:
         system = model.tokenize("You are a careful assistant. " * 6)
-        a = GenerationRequest([*system, *model.tokenize("Tell a story.", add_special=False)])
+        a = EngineRequest([*system, *model.tokenize("Tell a story.", add_special=False)])
         a = dataclasses.replace(a, max_tokens=60)
         _, done_a, _ = await generate(e, a)
         # b shares the system prompt only, less than half of what a's sequence holds:
         # it runs on the empty sequence and shares a's cells for the system prompt
-        b = GenerationRequest([*system, *model.tokenize("Name a colour.", add_special=False)])
+        b = EngineRequest([*system, *model.tokenize("Name a colour.", add_special=False)])
         b = dataclasses.replace(b, max_tokens=12)
         _, done_b, _ = await generate(e, b)
         assert done_b.usage.prompt_reused == common_prefix(a.prompt, b.prompt)
@@ -343,7 +341,7 @@ async def test_a_request_sharing_a_short_prefix_leaves_the_parked_sequence_whole
         assert done_b.tokens == cold_b.tokens, "the shared cells give the same output"
         # a's conversation is still whole: its next turn prefills only its new words
         turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" More.", add_special=False)]
-        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5))
+        _, done2, _ = await generate(e, EngineRequest(turn2, max_tokens=5))
         assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
         assert len(e.cache) == 0, "nothing had to be saved"
     finally:
@@ -361,7 +359,7 @@ async def test_many_parked_cells_move_to_the_state_cache_while_others_run(
         convs = []
         for topic in ("rivers", "mountains"):
             prompt = model.tokenize(f"Notes on {topic}. " * half)[:half]
-            a = GenerationRequest(prompt, max_tokens=5)
+            a = EngineRequest(prompt, max_tokens=5)
             convs.append((a, (await generate(e, a))[1]))
         assert len(e.cache) == 0
         # a short request runs: the least recently used conversation goes to the cache,
@@ -374,7 +372,7 @@ async def test_many_parked_cells_move_to_the_state_cache_while_others_run(
         assert b.prompt in held
         # the moved conversation comes back from the cache on its next turn
         turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" More.", add_special=False)]
-        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5))
+        _, done2, _ = await generate(e, EngineRequest(turn2, max_tokens=5))
         assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
         assert len(e.cache) == 0
     finally:
@@ -391,46 +389,17 @@ async def test_a_restore_finds_room_the_parked_sequences_it_outgrows_held(
     e = Engine(model, EngineOptions(n_ctx=2048, n_seq_max=2, max_pins=0)).start()
     try:
         short = model.tokenize("Notes on rivers. " * 300)[:800]
-        a = GenerationRequest(short, max_tokens=5)
+        a = EngineRequest(short, max_tokens=5)
         _, done_a, _ = await generate(e, a)
         # a long one fills the rest: the KV runs out mid-prefill, a moves to the cache,
         # and the long one's cells end up on both sides of a gap smaller than a
         long = model.tokenize("Notes on mountains. " * 400)[: PARKED_MAX_CELLS + 276]
-        await generate(e, GenerationRequest(long, max_tokens=5))
+        await generate(e, EngineRequest(long, max_tokens=5))
         assert len(e.cache) == 1
         turn2 = [*a.prompt, *done_a.tokens, *model.tokenize(" More.", add_special=False)]
-        _, done2, _ = await generate(e, GenerationRequest(turn2, max_tokens=5))
+        _, done2, _ = await generate(e, EngineRequest(turn2, max_tokens=5))
         assert done2.usage.prompt_reused == len(a.prompt) + len(done_a.tokens) - 1
         assert done2.tokens == await cold_answer(model, turn2, 2048, 5)
-    finally:
-        e.stop()
-
-
-async def test_state_cache_spills_to_disk(model: LlamaModel, tmp_path: Path) -> None:
-    # About one state fits in RAM (the tiny model holds 256 bytes of KV per token); the
-    # older ones spill to disk.
-    opts = EngineOptions(
-        n_ctx=1024,
-        n_seq_max=1,
-        state_cache_bytes=40_000,
-        state_cache_dir=tmp_path,
-        state_cache_disk_bytes=1 << 30,
-    )
-    e = Engine(model, opts).start()
-    try:
-        a = req(model, "Alpha beta gamma", max_tokens=20, session=SessionId("a"))
-        _, done_a, _ = await generate(e, a)
-        for i in range(4):  # enough other sessions to push a's state out of RAM
-            await generate(
-                e, req(model, f"Other {i} " * 20, max_tokens=20, session=SessionId(f"o{i}"))
-            )
-        spilled = await asyncio.to_thread(lambda: list(tmp_path.glob("*.state")))
-        assert spilled, "a state was written to disk"
-        turn2 = [*a.prompt, *done_a.tokens]
-        _, done2, _ = await generate(
-            e, GenerationRequest(turn2, max_tokens=5, session=SessionId("a"))
-        )
-        assert done2.usage.prompt_reused == len(turn2) - 1
     finally:
         e.stop()
 
@@ -499,8 +468,8 @@ async def test_metrics_by_model(model: LlamaModel) -> None:
     e.start()
     try:
         prompt = model.tokenize("Hello world, how are you")
-        await generate(e, GenerationRequest(prompt, max_tokens=12, session=SessionId("m")))
-        await generate(e, GenerationRequest(prompt, max_tokens=12, session=SessionId("m")))
+        await generate(e, EngineRequest(prompt, max_tokens=12, session=SessionId("m")))
+        await generate(e, EngineRequest(prompt, max_tokens=12, session=SessionId("m")))
     finally:
         e.stop()
 
@@ -532,10 +501,10 @@ async def test_pinned_prefix_is_shared_not_prefilled(model: LlamaModel) -> None:
         for i, question in enumerate(["What is 2+2?", "Name a colour."]):
             prompt = [*system, *model.tokenize(question, add_special=False)]
             # a new session each time: no parked sequence of its own to reuse
-            request = GenerationRequest(prompt, max_tokens=12, session=SessionId(f"user{i}"))
+            request = EngineRequest(prompt, max_tokens=12, session=SessionId(f"user{i}"))
             _, done, _ = await generate(e, request)
             assert done.usage.prompt_reused == len(system)
-            _, cold_done, _ = await generate(cold, GenerationRequest(prompt, max_tokens=12))
+            _, cold_done, _ = await generate(cold, EngineRequest(prompt, max_tokens=12))
             if i == 0:
                 assert cold_done.usage.prompt_reused == 0
             assert done.tokens == cold_done.tokens, "the shared cells give the same output"
@@ -553,7 +522,7 @@ async def test_long_prompt_is_chunked_between_decode_steps(model: LlamaModel) ->
         await anext(running)
         long_prompt = model.tokenize("lorem ipsum dolor sit amet " * 300)[:1500]
         seen_before_first_token = 0
-        late = e.submit(GenerationRequest(long_prompt, max_tokens=3))
+        late = e.submit(EngineRequest(long_prompt, max_tokens=3))
         first = asyncio.ensure_future(anext(late))
         while not first.done():
             await anext(running)
@@ -626,7 +595,7 @@ async def test_a_pinned_prefix_gives_way_to_a_request_that_fills_the_context(
         # ...and a request that does not share it runs to the end of the context: the
         # pin is a cache and goes, the request is not failed for want of room
         prompt = model.tokenize("Once upon a time")
-        _, done, _ = await generate(e, GenerationRequest(prompt, max_tokens=1000))
+        _, done, _ = await generate(e, EngineRequest(prompt, max_tokens=1000))
         assert done.finish_reason == "length"
         assert done.usage.prompt_tokens + done.usage.completion_tokens == 256
         assert await e.pin(other) == len(other)  # pinned again on the next ask
@@ -661,7 +630,7 @@ async def test_lora_adapter_changes_the_output(model: LlamaModel, tmp_path: Path
     for loras in ((), (LoraAdapter(lora, 1.0),), (LoraAdapter(lora, 0.0),)):
         e = Engine(model, EngineOptions(n_ctx=512, n_seq_max=1, loras=loras)).start()
         try:
-            outputs.append((await generate(e, GenerationRequest(prompt, max_tokens=20)))[1].tokens)
+            outputs.append((await generate(e, EngineRequest(prompt, max_tokens=20)))[1].tokens)
         finally:
             e.stop()
     plain, adapted, zero_scale = outputs
@@ -677,9 +646,7 @@ async def test_preserved_control_tokens_are_rendered(engine: Engine, model: Llam
     plain, _, _ = await generate(engine, req(model, "Hi", sampling=forced, max_tokens=3))
     shown, _, _ = await generate(
         engine,
-        GenerationRequest(
-            model.tokenize("Hi"), forced, max_tokens=3, preserve=frozenset({im_start})
-        ),
+        EngineRequest(model.tokenize("Hi"), forced, max_tokens=3, preserve=frozenset({im_start})),
     )
     assert plain == ""
     assert shown == "<|im_start|>" * 3
@@ -695,9 +662,9 @@ async def test_prompt_logprobs_match_the_logprobs_of_the_same_tokens_generated(
     try:
         prompt = model.tokenize("Once upon a time")
         sampling = SamplingParams(temperature=0.0, logprobs=2)
-        _, done, deltas = await generate(e, GenerationRequest(prompt, sampling, max_tokens=100))
+        _, done, deltas = await generate(e, EngineRequest(prompt, sampling, max_tokens=100))
         generated = [lp for d in deltas for lp in d.logprobs]
-        scored = GenerationRequest(
+        scored = EngineRequest(
             [*prompt, *done.tokens], sampling, max_tokens=0, prompt_logprobs=True
         )
         text, again, _ = await generate(e, scored)
@@ -731,7 +698,7 @@ async def test_a_q8_0_kv_cache_holds_a_sequence_in_about_half_the_bytes(
         prompt = m.tokenize("The quick brown fox jumps over the lazy dog. " * 20)
         e = Engine(m, EngineOptions(n_ctx=1024, n_seq_max=1, kv_type=kv_type)).start()
         try:
-            request = GenerationRequest(prompt, max_tokens=8, session=SessionId("s"))
+            request = EngineRequest(prompt, max_tokens=8, session=SessionId("s"))
             _, done, _ = await generate(e, request)
             assert done.usage.completion_tokens == 8  # it answers
             (slot,) = e.kv.slots

@@ -11,8 +11,8 @@ import pytest
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
-from barrel.pipeline.grammar import format_grammar
+from barrel.engine.types import EngineRequest, SamplingParams, SessionId
+from barrel.pipeline.formats import format_grammar
 from barrel.pipeline.request import Format
 
 pytestmark = pytest.mark.real_model
@@ -65,7 +65,7 @@ async def test_concurrent_sessions_never_see_each_others_markers(
 async def _markers(engine: Engine, qwen: LlamaModel) -> None:
     async def ask(session: str, marker: str) -> str:
         prompt = chatml(("user", f"My secret code word is {marker}. Repeat my secret code word."))
-        req = GenerationRequest(qwen.tokenize(prompt), max_tokens=24, session=SessionId(session))
+        req = EngineRequest(qwen.tokenize(prompt), max_tokens=24, session=SessionId(session))
         deltas, _ = await engine.submit(req).collect()
         return "".join(d.text for d in deltas)
 
@@ -84,13 +84,11 @@ async def test_second_turn_prefills_only_what_is_new(engine: Engine, qwen: Llama
     session = SessionId("conversation")
     question = "Write a Python function that adds two numbers."
     p1 = qwen.tokenize(chatml(("user", question)))
-    deltas, done1 = await engine.submit(
-        GenerationRequest(p1, max_tokens=48, session=session)
-    ).collect()
+    deltas, done1 = await engine.submit(EngineRequest(p1, max_tokens=48, session=session)).collect()
     reply = "".join(d.text for d in deltas)
     assert done1.usage.prompt_reused == 0
     p2 = qwen.tokenize(chatml(("user", question), ("assistant", reply), ("user", "Now in Rust.")))
-    _, done2 = await engine.submit(GenerationRequest(p2, max_tokens=8, session=session)).collect()
+    _, done2 = await engine.submit(EngineRequest(p2, max_tokens=8, session=session)).collect()
     generated = done1.usage.completion_tokens
     # everything of turn one is reused, except the final sampled token (never decoded) and
     # what the template renders differently
@@ -112,7 +110,7 @@ async def test_sliding_window_model_reuses_only_what_its_window_still_holds(
     tail = gemma.tokenize(" and the last one is", add_special=False)
 
     async def run(engine: Engine, prompt: list[int]) -> tuple[int, str, tuple[int, ...]]:
-        _, done = await engine.submit(GenerationRequest(prompt, max_tokens=6)).collect()
+        _, done = await engine.submit(EngineRequest(prompt, max_tokens=6)).collect()
         assert done.usage.prompt_reused + done.usage.prompt_computed == len(prompt)
         return done.usage.prompt_reused, done.usage.reuse_note, done.tokens
 
@@ -158,16 +156,16 @@ async def test_a_repeated_prompt_starts_from_the_logits_its_prefill_left(
         for k in (0, 6, 7, 15):
             prompt = qwen.tokenize(ledger(k), add_special=False)
             cold_steps = e.steps
-            _, cold = await e.submit(GenerationRequest(prompt, max_tokens=48)).collect()
+            _, cold = await e.submit(EngineRequest(prompt, max_tokens=48)).collect()
             again_steps = e.steps
-            _, again = await e.submit(GenerationRequest(prompt, max_tokens=48)).collect()
+            _, again = await e.submit(EngineRequest(prompt, max_tokens=48)).collect()
             assert (again.usage.prompt_reused, again.usage.prompt_computed) == (len(prompt), 0)
             assert again.tokens == cold.tokens, k
             # one prefill step, then a step for each generated token but the last
             assert again_steps - cold_steps == len(cold.tokens)
             assert e.steps - again_steps == len(again.tokens) - 1
         # A shorter prompt the slot also holds has no logits kept: its last token is decoded.
-        _, part = await e.submit(GenerationRequest(prompt[:-3], max_tokens=2)).collect()
+        _, part = await e.submit(EngineRequest(prompt[:-3], max_tokens=2)).collect()
         assert (part.usage.prompt_reused, part.usage.prompt_computed) == (len(prompt) - 4, 1)
     finally:
         await asyncio.to_thread(e.stop)
@@ -186,11 +184,11 @@ async def test_kept_logits_come_back_with_a_state_from_the_state_cache(
     e = Engine(qwen, opts).start()
     try:
         first, other = (qwen.tokenize(ledger(k), add_special=False) for k in (6, 7))
-        _, cold = await e.submit(GenerationRequest(first, max_tokens=24)).collect()
-        await e.submit(GenerationRequest(other, max_tokens=4)).collect()  # takes the slot
+        _, cold = await e.submit(EngineRequest(first, max_tokens=24)).collect()
+        await e.submit(EngineRequest(other, max_tokens=4)).collect()  # takes the slot
         assert len(e.cache) == 1
         before = e.steps
-        _, again = await e.submit(GenerationRequest(first, max_tokens=24)).collect()
+        _, again = await e.submit(EngineRequest(first, max_tokens=24)).collect()
         assert (again.usage.prompt_reused, again.usage.prompt_computed) == (len(first), 0)
         assert again.tokens == cold.tokens
         assert e.steps - before == len(again.tokens) - 1  # no prefill step
@@ -205,14 +203,14 @@ async def test_kept_logits_go_through_the_whole_sampler_chain(
     a grammar) and reports the logprobs the cold run's first token had."""
     prompt = qwen.tokenize(chatml(("user", "Is the sky blue? Answer yes or no.")))
     seeded = SamplingParams(temperature=0.9, seed=7, logprobs=3)
-    cold_deltas, cold = await engine.submit(GenerationRequest(prompt, seeded, 12)).collect()
-    deltas, again = await engine.submit(GenerationRequest(prompt, seeded, 12)).collect()
+    cold_deltas, cold = await engine.submit(EngineRequest(prompt, seeded, 12)).collect()
+    deltas, again = await engine.submit(EngineRequest(prompt, seeded, 12)).collect()
     assert again.usage.prompt_computed == 0
     assert again.tokens == cold.tokens
     assert deltas[0].logprobs == cold_deltas[0].logprobs
     assert len(deltas[0].logprobs[0].top) == 3
     gbnf = Format("grammar", text='root ::= "MAYBE" [.!]')
     maybe = SamplingParams(temperature=0, grammar=format_grammar(gbnf))
-    deltas, done = await engine.submit(GenerationRequest(prompt, maybe, 8)).collect()
+    deltas, done = await engine.submit(EngineRequest(prompt, maybe, 8)).collect()
     assert done.usage.prompt_computed == 0
     assert "".join(d.text for d in deltas) in ("MAYBE.", "MAYBE!")

@@ -22,7 +22,7 @@ from barrel.actors.supervisor import (
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.errors import EngineCrashed
-from barrel.engine.types import FinishReason, GenerationRequest
+from barrel.engine.types import EngineRequest, FinishReason
 
 
 async def engine_of(registry: Registry, name: str) -> Engine:
@@ -47,7 +47,7 @@ async def test_crash_fails_in_flight_requests_and_the_next_one_succeeds(tiny_pat
         engine = await engine_of(registry, "tiny")
         old_worker = registry.get("tiny")
         prompt = engine.tokenize("Hello world")
-        streams = [engine.submit(GenerationRequest(prompt, max_tokens=5000)) for _ in range(3)]
+        streams = [engine.submit(EngineRequest(prompt, max_tokens=5000)) for _ in range(3)]
         await anext(streams[0])
         engine.inject_fault(RuntimeError("injected fault"))
         loop = asyncio.get_running_loop()
@@ -64,7 +64,7 @@ async def test_crash_fails_in_flight_requests_and_the_next_one_succeeds(tiny_pat
         assert not old_worker.is_alive()
         fresh = await engine_of(registry, "tiny")
         assert fresh is not engine
-        _deltas, done = await fresh.submit(GenerationRequest(prompt, max_tokens=10)).collect()
+        _deltas, done = await fresh.submit(EngineRequest(prompt, max_tokens=10)).collect()
         assert done.finish_reason is FinishReason.LENGTH
         assert done.usage.completion_tokens == 10
         assert new_worker.is_alive()

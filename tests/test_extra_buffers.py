@@ -13,7 +13,7 @@ from barrel.engine import model as kernels
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel, ModelOptions, cpu_has_amx
-from barrel.engine.types import GREEDY, GenerationRequest
+from barrel.engine.types import GREEDY, EngineRequest
 from tests.test_lifecycle import MakeClient, start
 
 REPACKED = "CPU_REPACK model buffer size"
@@ -36,7 +36,7 @@ async def _answers(model: LlamaModel) -> None:
     """The model decodes, and answers the question right."""
     engine = Engine(model, EngineOptions(n_ctx=512, n_seq_max=1)).start()
     try:
-        request = GenerationRequest(model.tokenize(QUESTION), max_tokens=4, sampling=GREEDY)
+        request = EngineRequest(model.tokenize(QUESTION), max_tokens=4, sampling=GREEDY)
         _, done = await engine.submit(request).collect()
         assert "Paris" in model.detokenize(list(done.tokens))
     finally:
@@ -81,7 +81,7 @@ async def test_the_config_key_reaches_the_load(
         )
         lease = await lc.acquire("tiny", keep_alive=60)
     assert (OFFERED in caplog.text) == (extra and not cpu_has_amx())
-    request = GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=3)
+    request = EngineRequest(lease.engine.tokenize("Hi"), max_tokens=3)
     _, done = await lease.engine.submit(request).collect()
     assert done.usage.completion_tokens == 3
     await lc.release(lease)

@@ -19,8 +19,8 @@ from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.errors import InvalidGrammar
 from barrel.engine.model import LlamaModel
 from barrel.engine.observer import NoObserver
-from barrel.engine.types import GREEDY, Done, FinishReason, GenerationRequest, SamplingParams
-from barrel.pipeline.grammar import choice_lark, json_schema_grammar
+from barrel.engine.types import GREEDY, Done, EngineRequest, FinishReason, SamplingParams
+from barrel.pipeline.formats import choice_lark, json_schema_grammar
 
 SCHEMA = {
     "type": "object",
@@ -52,7 +52,7 @@ async def run(
     engine: Engine, model: LlamaModel, grammar: str, **sampling: object
 ) -> tuple[str, Done]:
     params = SamplingParams(grammar=grammar, **sampling)  # type: ignore[arg-type]
-    request = GenerationRequest(model.tokenize("Answer:"), params, max_tokens=300)
+    request = EngineRequest(model.tokenize("Answer:"), params, max_tokens=300)
     deltas, done = await engine.submit(request).collect()
     return "".join(d.text for d in deltas), done
 
@@ -105,7 +105,7 @@ async def test_the_grammar_s_forced_start_is_read_with_the_prompt(model: LlamaMo
         assert len(start) > 1
         params = SamplingParams(grammar=grammar, temperature=0.0)
         prompt = model.tokenize("Answer:")
-        request = GenerationRequest(prompt, params, max_tokens=300)
+        request = EngineRequest(prompt, params, max_tokens=300)
         deltas, done = await engine.submit(request).collect()
         # the step that read the prompt decoded the forced start after it, and the
         # first token sampled came from that step
@@ -116,7 +116,7 @@ async def test_the_grammar_s_forced_start_is_read_with_the_prompt(model: LlamaMo
         jsonschema.validate(json.loads("".join(d.text for d in deltas)), SCHEMA)
         # as many as the request allows: the forced start is output like any token
         for limit in (1, 2):
-            request = GenerationRequest(prompt, params, max_tokens=limit)
+            request = EngineRequest(prompt, params, max_tokens=limit)
             _, done = await engine.submit(request).collect()
             assert list(done.tokens) == start[:limit]
             assert done.finish_reason is FinishReason.LENGTH
@@ -138,9 +138,9 @@ async def test_a_forced_start_fits_a_step_that_other_prompts_fill(model: LlamaMo
         params = SamplingParams(grammar=grammar, temperature=0.0)
         engine.expect(2)  # both join the first step
         first = model.tokenize("Answer:")
-        constrained = engine.submit(GenerationRequest(first, params, 40))
+        constrained = engine.submit(EngineRequest(first, params, 40))
         rest = model.tokenize(" ".join(["word"] * 60))[: 32 - len(first)]
-        plain = engine.submit(GenerationRequest(rest, GREEDY, max_tokens=4))
+        plain = engine.submit(EngineRequest(rest, GREEDY, max_tokens=4))
         deltas, done = await constrained.collect()
         _, other = await plain.collect()
         jsonschema.validate(json.loads("".join(d.text for d in deltas)), SCHEMA)
@@ -210,7 +210,7 @@ async def test_a_grammar_that_allows_nothing_fails_its_sequence_alone(
     loop = json_schema_grammar(
         {"$ref": "#/$defs/loop", "$defs": {"loop": {"$ref": "#/$defs/loop"}}}
     )
-    plain = GenerationRequest(model.tokenize("Hello"), max_tokens=8)
+    plain = EngineRequest(model.tokenize("Hello"), max_tokens=8)
     stuck, served = await asyncio.gather(
         run(engine, model, loop), engine.submit(plain).collect(), return_exceptions=True
     )

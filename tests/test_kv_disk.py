@@ -31,7 +31,7 @@ from barrel.engine.kvdisk import (
     chain,
 )
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GREEDY, GenerationRequest
+from barrel.engine.types import GREEDY, EngineRequest
 
 OPTS = EngineOptions(n_ctx=1024, n_seq_max=2)
 
@@ -51,7 +51,7 @@ def _prompt(model: LlamaModel, words: int, seed: int) -> list[int]:
 
 async def _turn(e: Engine, prompt: list[int], scope: str = "", n: int = 8) -> tuple[list[int], int]:
     """(greedy tokens, prompt tokens reused)."""
-    req = GenerationRequest(prompt, GREEDY, max_tokens=n, scope=scope)
+    req = EngineRequest(prompt, GREEDY, max_tokens=n, scope=scope)
     _, done = await e.submit(req).collect()
     return list(done.tokens), done.usage.prompt_reused
 

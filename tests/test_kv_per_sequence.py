@@ -16,7 +16,7 @@ import pytest
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import Done, GenerationRequest, SessionId
+from barrel.engine.types import Done, EngineRequest, SessionId
 
 N_CTX = 1024
 
@@ -33,7 +33,7 @@ def options(**kw: object) -> EngineOptions:
 
 
 async def answer(engine: Engine, prompt: list[int], max_tokens: int, **kw: object) -> Done:
-    request = GenerationRequest(prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    request = EngineRequest(prompt, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
     _, done = await engine.submit(request).collect()
     return done
 
@@ -134,7 +134,7 @@ async def test_a_conversation_moves_beside_the_running_sequences(model: LlamaMod
         history = {name: [*prompts[name], *first[name].tokens] for name in texts}
         # a's next turn runs on sequence 0 while c's comes, parked on sequence 2
         running = e.submit(
-            GenerationRequest(history["a"], max_tokens=400, ignore_eos=True, session=SessionId("a"))
+            EngineRequest(history["a"], max_tokens=400, ignore_eos=True, session=SessionId("a"))
         )
         await running.__anext__()
         turn_c = [*history["c"], *model.tokenize(" is", add_special=False)]

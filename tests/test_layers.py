@@ -105,7 +105,7 @@ def test_no_module_uses_pykka_private_names_or_overrides_its_private_methods() -
 
 # HTTP reaches the engine at run time only through the facade (the actor layer), the
 # generation path and the daemon's services (metrics count the engine's results).
-GATEWAYS = ("barrel.actors", "barrel.pipeline.generate", "barrel.metrics", "barrel.services")
+GATEWAYS = ("barrel.actors", "barrel.pipeline.generation", "barrel.metrics", "barrel.services")
 
 
 def _module_of(name: str) -> str | None:
@@ -168,7 +168,7 @@ def test_http_reaches_the_engine_and_the_store_only_through_the_facade_and_the_p
 
 
 def test_the_codecs_reach_no_engine_store_or_actor_even_transitively() -> None:
-    forbidden = ("barrel.engine", "barrel.store", "barrel.actors", "barrel.pipeline.generate")
+    forbidden = ("barrel.engine", "barrel.store", "barrel.actors", "barrel.pipeline.generation")
     assert _reaching("http/codecs", forbidden, ()) == []
 
 
@@ -215,7 +215,47 @@ def test_every_codec_imports_where_llama_cpp_cannot_be_imported() -> None:
     assert out.stdout.split("\n")[:2] == ["[]", "blocked"]
 
 
-def test_the_pipeline_s_leaf_modules_import_nothing_of_barrel() -> None:
+def test_the_pipeline_s_leaf_modules_import_nothing_of_barrel_but_its_values() -> None:
+    """The codecs' leaves import nothing of Barrel but barrel.values, itself a leaf."""
+    values = [name for _, name in _imports(ROOT / "values.py")]
+    assert [n for n in values if n.startswith("barrel")] == []
     for leaf in ("events", "request"):
         names = [name for _, name in _imports(ROOT / "pipeline" / f"{leaf}.py")]
-        assert [n for n in names if n.startswith("barrel")] == [], leaf
+        barrel_names = [n for n in names if n.startswith("barrel")]
+        assert all(n.startswith("barrel.values") for n in barrel_names), leaf
+
+
+# -- one name per concept -----------------------------------------------------------------
+
+# Class names defined more than once under barrel/ on purpose, each with its reason.
+SHARED_CLASS_NAMES: dict[str, str] = {}
+
+
+def _class_names(path: Path) -> list[tuple[str, int]]:
+    """The classes `path` defines, nested ones included, with their lines."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [(n.name, n.lineno) for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+
+
+def _defined_twice(root: Path) -> dict[str, list[str]]:
+    where: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for name, line in _class_names(path):
+            where.setdefault(name, []).append(f"{path.relative_to(root.parent)}:{line}")
+    return {name: places for name, places in where.items() if len(places) > 1}
+
+
+def test_no_class_name_is_defined_twice() -> None:
+    """One name per concept: a second class of the same name under barrel/ is either
+    the same concept written twice, or two concepts that need names saying their layer
+    (guides/architecture.md, "Glossary")."""
+    twice = {n: p for n, p in _defined_twice(ROOT).items() if n not in SHARED_CLASS_NAMES}
+    assert twice == {}
+    assert set(SHARED_CLASS_NAMES) <= set(_defined_twice(ROOT)), "a stale allow-list entry"
+
+
+def test_the_class_name_reader_sees_a_second_definition(tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("class Usage:\n    pass\n")
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("def f():\n    class Usage:\n        pass\n")
+    assert _defined_twice(tmp_path / "pkg") == {"Usage": ["pkg/a.py:1", "pkg/sub/b.py:2"]}

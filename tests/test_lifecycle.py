@@ -25,7 +25,7 @@ from barrel.config import Config
 from barrel.engine import engine as engine_module
 from barrel.engine.context import EngineOptions
 from barrel.engine.errors import EngineCrashed
-from barrel.engine.types import FinishReason, GenerationRequest
+from barrel.engine.types import EngineRequest, FinishReason
 from barrel.errors import BarrelError
 from barrel.http import errors
 from barrel.store.gguf_meta import read_gguf
@@ -143,17 +143,17 @@ async def test_a_place_freed_while_a_request_queues_is_taken_in_the_next_step(
     third = asyncio.create_task(lc.acquire("tiny", on_queued=lambda _: queued.set()))
     await queued.wait()
     story = engine.tokenize("Once upon a time")
-    running = engine.submit(GenerationRequest(story, max_tokens=900, ignore_eos=True))
+    running = engine.submit(EngineRequest(story, max_tokens=900, ignore_eos=True))
     reading = asyncio.create_task(running.collect())  # read: a stream nobody reads pauses
     prompt = engine.tokenize("def main():")
-    request = GenerationRequest(prompt, max_tokens=3, ignore_eos=True)
+    request = EngineRequest(prompt, max_tokens=3, ignore_eos=True)
     _, done = await engine.submit(request).collect()
     # a slow hand-off (a busy event loop): without the wait the long answer steps on alone
     await asyncio.sleep(0.2)
     await lc.release(short)
     lease = await third
     later = engine.tokenize(" ".join(f"item {k} costs {k * 3}" for k in range(20)))
-    request = GenerationRequest(later, max_tokens=2, ignore_eos=True)
+    request = EngineRequest(later, max_tokens=2, ignore_eos=True)
     _, after = await lease.engine.submit(request).collect()
     await lc.release(lease)
     running.cancel()
@@ -210,7 +210,7 @@ async def test_keep_alive_counts_from_the_end_of_the_last_request(
     started = time.monotonic()
     while time.monotonic() - started <= 1.2:
         prompt = lease.engine.tokenize("Hello")
-        async for _ in lease.engine.submit(GenerationRequest(prompt, max_tokens=300)):
+        async for _ in lease.engine.submit(EngineRequest(prompt, max_tokens=300)):
             pass
     assert await loaded(lc) == {"tiny"}, "never unloaded during a request"
     await lc.release(lease, keep_alive=1.0)
@@ -257,7 +257,7 @@ async def test_engine_crash_mid_stream_then_the_model_serves_again(
     _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path, "bystander": other})
     bystander = await lc.acquire("bystander")
     lease = await lc.acquire("tiny")
-    stream = lease.engine.submit(GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=5000))
+    stream = lease.engine.submit(EngineRequest(lease.engine.tokenize("Hi"), max_tokens=5000))
     await anext(stream)
     lease.engine.inject_fault(RuntimeError("engine thread killed"))
     with pytest.raises(EngineCrashed):
@@ -272,12 +272,12 @@ async def test_engine_crash_mid_stream_then_the_model_serves_again(
         assert time.monotonic() < deadline, "the model never came back"
         await asyncio.sleep(0.1)
     _, done = await again.engine.submit(
-        GenerationRequest(again.engine.tokenize("Hi"), max_tokens=5)
+        EngineRequest(again.engine.tokenize("Hi"), max_tokens=5)
     ).collect()
     assert done.finish_reason is FinishReason.LENGTH
     await lc.release(again)
     assert bystander.engine.alive, "the other model was not touched"
-    _, done = await bystander.engine.submit(GenerationRequest([1, 2, 3], max_tokens=3)).collect()
+    _, done = await bystander.engine.submit(EngineRequest([1, 2, 3], max_tokens=3)).collect()
     assert done.usage.completion_tokens == 3
     await lc.release(bystander)
 
@@ -325,7 +325,7 @@ async def test_a_kv_stream_per_sequence_is_counted_in_api_ps(
         (model,) = (await (await client.get("/api/ps")).json())["models"]
         assert model["context_length"] == 1024  # a request's context either way
         kv[per_sequence] = model["size"] - file_size
-        request = GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=3)
+        request = EngineRequest(lease.engine.tokenize("Hi"), max_tokens=3)
         _, done = await lease.engine.submit(request).collect()
         assert done.usage.completion_tokens == 3
         await lc.release(lease)
@@ -360,7 +360,7 @@ async def test_auto_shares_one_kv_stream_when_a_stream_each_would_not_fit(
         )
         for name in names:
             lease = await lc.acquire(name)
-            request = GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=2)
+            request = EngineRequest(lease.engine.tokenize("Hi"), max_tokens=2)
             _, done = await lease.engine.submit(request).collect()
             assert done.usage.completion_tokens == 2
             await lc.release(lease)
@@ -449,7 +449,7 @@ async def test_crashes_beyond_the_intensity_mark_the_model_failed(
     assert "failed" in failure.message
     assert len(crashed) == 2, "one restart allowed, the second crash is one too many"
     assert bystander.engine.alive
-    _, done = await bystander.engine.submit(GenerationRequest([1, 2], max_tokens=2)).collect()
+    _, done = await bystander.engine.submit(EngineRequest([1, 2], max_tokens=2)).collect()
     assert done.usage.completion_tokens == 2
     await lc.release(bystander)
 
@@ -477,7 +477,7 @@ async def test_resident_bytes_differ_between_lazy_and_pinned(
         after_load = await gauge()
         lease = await lc.acquire("qwen")
         await lease.engine.submit(
-            GenerationRequest(lease.engine.tokenize("Hi"), max_tokens=2)
+            EngineRequest(lease.engine.tokenize("Hi"), max_tokens=2)
         ).collect()
         await lc.release(lease, keep_alive=0)
         await lc.preload("qwen")
@@ -512,7 +512,7 @@ async def test_evictor_unloads_idle_models_under_pressure_never_busy_ones(
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.5)  # several more ticks
     assert await loaded(lc) == {"busy"}, "a model with a request in flight stays"
-    _, done = await busy.engine.submit(GenerationRequest([1, 2], max_tokens=2)).collect()
+    _, done = await busy.engine.submit(EngineRequest([1, 2], max_tokens=2)).collect()
     assert done.usage.completion_tokens == 2
     await lc.release(busy)
 

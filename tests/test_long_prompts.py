@@ -15,7 +15,7 @@ from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
 from barrel.engine.plan import TAIL_ROWS
 from barrel.engine.run import Run
-from barrel.engine.types import FinishReason, GenerationRequest, RequestId
+from barrel.engine.types import EngineRequest, FinishReason, RequestId
 
 N_CTX = 4096
 
@@ -35,7 +35,7 @@ def long_prompt(model: LlamaModel, seed: int) -> list[int]:
 async def alone(model: LlamaModel, prompt: list[int]) -> tuple[int, ...]:
     e = Engine(model, EngineOptions(n_ctx=N_CTX, n_seq_max=1, state_cache_bytes=0)).start()
     try:
-        _, done = await e.submit(GenerationRequest(prompt, max_tokens=24)).collect()
+        _, done = await e.submit(EngineRequest(prompt, max_tokens=24)).collect()
         assert done.usage.prompt_computed == len(prompt)
         return done.tokens
     finally:
@@ -51,12 +51,12 @@ async def test_a_long_prompt_answers_alike_alone_beside_streams_and_after_a_canc
     try:
         # beside three running streams
         streams = [
-            e.submit(GenerationRequest(model.tokenize(f"Story {i}:"), max_tokens=4000))
+            e.submit(EngineRequest(model.tokenize(f"Story {i}:"), max_tokens=4000))
             for i in range(3)
         ]
         for s in streams:
             await anext(s)
-        late = e.submit(GenerationRequest(prompt, max_tokens=24))
+        late = e.submit(EngineRequest(prompt, max_tokens=24))
         first = asyncio.ensure_future(anext(late))
         beside = 0
         while not first.done():
@@ -72,10 +72,10 @@ async def test_a_long_prompt_answers_alike_alone_beside_streams_and_after_a_canc
         # after a neighbour cancelled in the middle of its own prefill (64 prompt rows a
         # step beside the running stream, the neighbour's first: each token of the
         # stream is one step)
-        running = e.submit(GenerationRequest(model.tokenize("Story:"), max_tokens=4000))
+        running = e.submit(EngineRequest(model.tokenize("Story:"), max_tokens=4000))
         await anext(running)
-        other = e.submit(GenerationRequest(long_prompt(model, 2), max_tokens=24))
-        again = e.submit(GenerationRequest(prompt, max_tokens=24))
+        other = e.submit(EngineRequest(long_prompt(model, 2), max_tokens=24))
+        again = e.submit(EngineRequest(prompt, max_tokens=24))
         for _ in range(3):
             await anext(running)
         other.cancel()
@@ -99,11 +99,9 @@ async def test_the_step_budget_grows_with_quick_steps_and_keeps_its_floor(
         opts = EngineOptions(n_ctx=N_CTX, n_seq_max=2, prefill_chunk=64, prefill_step_s=step_s)
         e = Engine(model, opts).start()
         try:
-            running = e.submit(GenerationRequest(model.tokenize("Story:"), max_tokens=4000))
+            running = e.submit(EngineRequest(model.tokenize("Story:"), max_tokens=4000))
             await anext(running)
-            _, warm = await e.submit(
-                GenerationRequest(long_prompt(model, 3), max_tokens=1)
-            ).collect()
+            _, warm = await e.submit(EngineRequest(long_prompt(model, 3), max_tokens=1)).collect()
             assert warm.usage.prompt_computed > 64
             assert (e.planner.budget() > 64) is grows
             running.cancel()
@@ -122,10 +120,10 @@ async def test_a_short_prompt_beside_a_long_one_reads_first(model: LlamaModel) -
     opts = EngineOptions(n_ctx=N_CTX, n_seq_max=3, prefill_chunk=64, prefill_order="shortest")
     e = Engine(model, opts).start()
     try:
-        running = e.submit(GenerationRequest(model.tokenize("Story:"), max_tokens=4000))
+        running = e.submit(EngineRequest(model.tokenize("Story:"), max_tokens=4000))
         await anext(running)
-        long = e.submit(GenerationRequest(prompt, max_tokens=24))
-        short = e.submit(GenerationRequest(model.tokenize("What is two and two?"), max_tokens=2))
+        long = e.submit(EngineRequest(prompt, max_tokens=24))
+        short = e.submit(EngineRequest(model.tokenize("What is two and two?"), max_tokens=2))
         long_first = asyncio.ensure_future(anext(long))
         short_first = asyncio.ensure_future(anext(short))
         done, _ = await asyncio.wait({long_first, short_first}, return_when="FIRST_COMPLETED")
@@ -142,7 +140,7 @@ async def test_a_short_prompt_beside_a_long_one_reads_first(model: LlamaModel) -
 
 
 def _run(rid: int, tokens: int) -> Run:
-    request = GenerationRequest(list(range(1, tokens + 1)))
+    request = EngineRequest(list(range(1, tokens + 1)))
     return Run(RequestId(rid), request, None, None)  # type: ignore[arg-type]
 
 

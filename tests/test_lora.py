@@ -16,7 +16,7 @@ import pytest
 from barrel.engine.context import LoraAdapter
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GREEDY, GenerationRequest
+from barrel.engine.types import GREEDY, EngineRequest
 from barrel.store.synthetic import write_tiny_lora
 from tests.daemon import Daemon, serve_models
 
@@ -38,7 +38,7 @@ async def _alone(
 ) -> tuple[int, ...]:
     e = Engine(model, EngineOptions(n_ctx=512, n_seq_max=1, loras=loras)).start()
     try:
-        _, done = await e.submit(GenerationRequest(prompt, GREEDY, max_tokens=24)).collect()
+        _, done = await e.submit(EngineRequest(prompt, GREEDY, max_tokens=24)).collect()
         return done.tokens
     finally:
         await asyncio.to_thread(e.stop)
@@ -56,7 +56,7 @@ async def test_per_request_scales_in_one_engine_match_engines_of_their_own(
     e.start()
     try:
         runs = [
-            e.submit(GenerationRequest(prompt, GREEDY, max_tokens=24, lora=scales)).collect()
+            e.submit(EngineRequest(prompt, GREEDY, max_tokens=24, lora=scales)).collect()
             for scales in (None, (0.0,), (0.5,), (1.0,))
         ]
         outputs = [done.tokens for _, done in await asyncio.gather(*runs)]
@@ -72,7 +72,7 @@ async def test_kv_cells_are_not_shared_across_scales(model: LlamaModel, lora: Pa
     try:
 
         async def reused(scales: tuple[float, ...] | None) -> int:
-            request = GenerationRequest(prompt, GREEDY, max_tokens=2, lora=scales)
+            request = EngineRequest(prompt, GREEDY, max_tokens=2, lora=scales)
             _, done = await e.submit(request).collect()
             return done.usage.prompt_reused
 
@@ -94,10 +94,10 @@ async def test_bad_scales_are_refused_before_queueing(model: LlamaModel, lora: P
         prompt = model.tokenize("Hi")
         for scales in ((1.0, 1.0), (float("nan"),), (1e9,)):
             with pytest.raises(InvalidRequest):
-                e.submit(GenerationRequest(prompt, GREEDY, max_tokens=2, lora=scales))
+                e.submit(EngineRequest(prompt, GREEDY, max_tokens=2, lora=scales))
         # a client choosing a new setting each time leaves no trail behind in the engine
         for i in range(40):
-            request = GenerationRequest(prompt, GREEDY, max_tokens=2, lora=(i / 40,))
+            request = EngineRequest(prompt, GREEDY, max_tokens=2, lora=(i / 40,))
             await e.submit(request).collect()
         assert len(e.loras.served) <= 2
     finally:

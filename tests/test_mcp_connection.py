@@ -55,13 +55,13 @@ def logged(folder: Path) -> list[str]:
 def test_the_tools_are_listed_and_a_tool_not_offered_is_refused(connect, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     c = connect(tools=["get_weather", "hang"])
     assert sorted(c.tools) == ["get_weather", "hang"]
-    assert c.tools["get_weather"].schema["required"] == ["city"]
+    assert c.tools["get_weather"].parameters["required"] == ["city"]
     outcome = c.call("crash", {}).result(timeout=30)
     assert outcome.kind == "refused"
     assert logged(tmp_path) == []  # never reached the server
     ok = c.call("get_weather", {"city": "Oslo"}).result(timeout=30)
     assert (ok.kind, ok.error) == ("ok", False)
-    assert "sunny" in ok.text
+    assert "sunny" in ok.output
 
 
 @pytest.mark.parametrize("cap", [1, 2])
@@ -74,7 +74,7 @@ def test_calls_beyond_the_cap_wait_for_a_slot(connect, tmp_path: Path, cap: int)
         until(lambda: c.in_flight == 2, "the second call is under way")
         assert logged(tmp_path) == ["hang"]
         (tmp_path / "release").write_text("")
-        assert held.result(timeout=30).text == "released"
+        assert held.result(timeout=30).output == "released"
     else:  # it runs beside the held call
         assert weather.result(timeout=30).kind == "ok"
         assert not held.done()
@@ -107,5 +107,5 @@ def test_a_result_past_the_cap_is_cut_with_a_note(connect) -> None:  # type: ign
     c = connect(max_result_bytes=1000)
     outcome = c.call("flood", {}).result(timeout=30)
     assert outcome.kind == "ok"
-    assert outcome.text.startswith("x" * 1000)
-    assert outcome.text.endswith("it had 3000000 bytes, 1000 are shown]")
+    assert outcome.output.startswith("x" * 1000)
+    assert outcome.output.endswith("it had 3000000 bytes, 1000 are shown]")

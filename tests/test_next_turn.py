@@ -1,6 +1,6 @@
 """A follow-up turn prefills only its own words: once an answer ends, the engine decodes
 the chat template's end of turn and next user header into the parked sequence while it
-is idle (GenerationRequest.next_turn), so the next request finds them in the KV cache."""
+is idle (EngineRequest.next_turn), so the next request finds them in the KV cache."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import GREEDY, GenerationRequest
+from barrel.engine.types import GREEDY, EngineRequest
 from barrel.pipeline.templates import ChatTemplate
 from tests.daemon import Daemon, serve_models
 
@@ -63,7 +63,7 @@ async def test_the_follow_up_prefills_only_its_own_words(
         assert end is not None
         # None: the model ends its turn (the end-of-turn token forced at once)
         sampling = GREEDY if max_tokens else msgspec.structs.replace(GREEDY, logit_bias={end: 50.0})
-        first = GenerationRequest(head, sampling, max_tokens=max_tokens or 8, next_turn=tuple(turn))
+        first = EngineRequest(head, sampling, max_tokens=max_tokens or 8, next_turn=tuple(turn))
         _, done = await e.submit(first).collect()
         answer = [t for t in done.tokens if not model.is_eog(t)]
         slot = e.kv.slots[0]
@@ -71,15 +71,15 @@ async def test_the_follow_up_prefills_only_its_own_words(
         assert slot.tokens[len(head) + len(answer) :] == turn
         words = model.tokenize("And now?<|im_end|>\n<|im_start|>assistant\n", add_special=False)
         follow = [*head, *answer, *turn, *words]
-        _, again = await e.submit(GenerationRequest(follow, GREEDY, max_tokens=2)).collect()
+        _, again = await e.submit(EngineRequest(follow, GREEDY, max_tokens=2)).collect()
         assert again.usage.prompt_computed == len(words)
         # without next_turn, the same conversation prefills the turn's end as well
         e2 = Engine(model, EngineOptions(n_ctx=1024, n_seq_max=1)).start()
         try:
-            plain = GenerationRequest(head, sampling, max_tokens=max_tokens or 8)
+            plain = EngineRequest(head, sampling, max_tokens=max_tokens or 8)
             _, done2 = await e2.submit(plain).collect()
             assert done2.tokens == done.tokens
-            _, again2 = await e2.submit(GenerationRequest(follow, GREEDY, max_tokens=2)).collect()
+            _, again2 = await e2.submit(EngineRequest(follow, GREEDY, max_tokens=2)).collect()
             assert again2.usage.prompt_computed == len(words) + len(turn) + (max_tokens is not None)
             assert again2.tokens == again.tokens  # the same answer either way
         finally:
@@ -154,7 +154,7 @@ async def test_conversations_that_end_together_get_their_turn_headers_in_one_dec
             model.tokenize(f"<|im_start|>user\nQuestion {i}<|im_end|>\n<|im_start|>assistant\n")
             for i in range(4)
         ]
-        asks = [GenerationRequest(h, GREEDY, max_tokens=6, next_turn=tuple(turn)) for h in heads]
+        asks = [EngineRequest(h, GREEDY, max_tokens=6, next_turn=tuple(turn)) for h in heads]
         dones = await asyncio.gather(*(e.submit(a).collect() for a in asks))
         answers = [[t for t in d.tokens if not model.is_eog(t)] for _, d in dones]
         ends = {tuple(h + a + turn) for h, a in zip(heads, answers, strict=True)}
@@ -181,7 +181,7 @@ async def test_turn_headers_go_in_sequence_order_for_one_micro_batch_a_stream_ea
             for i in range(4)
         ]
         asks = [
-            GenerationRequest(h, GREEDY, max_tokens=6, ignore_eos=True, next_turn=tuple(turn))
+            EngineRequest(h, GREEDY, max_tokens=6, ignore_eos=True, next_turn=tuple(turn))
             for h in heads
         ]
         dones = await asyncio.gather(*(e.submit(a).collect() for a in asks))
@@ -207,13 +207,13 @@ async def test_a_slot_reused_by_another_conversation_of_the_same_length_is_left_
     try:
         turn = model.tokenize("<|im_end|>\n<|im_start|>user\n", add_special=False)
         head = model.tokenize("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
-        chat = GenerationRequest(head, GREEDY, max_tokens=6, ignore_eos=True, next_turn=tuple(turn))
+        chat = EngineRequest(head, GREEDY, max_tokens=6, ignore_eos=True, next_turn=tuple(turn))
         await e.submit(chat).collect()
         other = [head[1], *head[1:]]  # as long as the chat's prompt, another conversation
         assert len(other) == len(head)
         assert other != head
         _, done = await e.submit(
-            GenerationRequest(other, GREEDY, max_tokens=6, ignore_eos=True)
+            EngineRequest(other, GREEDY, max_tokens=6, ignore_eos=True)
         ).collect()
         (slot,) = e.kv.slots
         held = [*other, *done.tokens[:-1]]
@@ -255,14 +255,12 @@ async def test_a_request_does_not_wait_for_an_idle_turn_decode(model: LlamaModel
     try:
         turn = model.tokenize("<|im_end|>\n<|im_start|>user\n", add_special=False)
         head = model.tokenize("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")
-        first = GenerationRequest(
-            head, GREEDY, max_tokens=6, ignore_eos=True, next_turn=tuple(turn)
-        )
+        first = EngineRequest(head, GREEDY, max_tokens=6, ignore_eos=True, next_turn=tuple(turn))
         _, done = await e.submit(first).collect()
         answer = list(done.tokens)
         assert await asyncio.to_thread(e.idle.wait, 30)
         other = model.tokenize("<|im_start|>user\nSomething else<|im_end|>\n")
-        stream = e.submit(GenerationRequest(other, GREEDY, max_tokens=4))
+        stream = e.submit(EngineRequest(other, GREEDY, max_tokens=4))
         e.go.set()
         _, interrupting = await stream.collect()
         assert e.turns.aborts == 1
@@ -271,7 +269,7 @@ async def test_a_request_does_not_wait_for_an_idle_turn_decode(model: LlamaModel
         await _until(lambda: slot.tokens == [*head, *answer, *turn])
         assert e.turns.steps == 1
         words = model.tokenize("And now?<|im_end|>\n<|im_start|>assistant\n", add_special=False)
-        follow = GenerationRequest([*head, *answer, *turn, *words], GREEDY, max_tokens=4)
+        follow = EngineRequest([*head, *answer, *turn, *words], GREEDY, max_tokens=4)
         _, again = await e.submit(follow).collect()
         assert again.usage.prompt_computed == len(words)
     finally:
@@ -281,7 +279,7 @@ async def test_a_request_does_not_wait_for_an_idle_turn_decode(model: LlamaModel
     try:
         _, done2 = await e2.submit(first).collect()
         await _until(lambda: e2.turns.steps == 1)
-        _, interrupting2 = await e2.submit(GenerationRequest(other, GREEDY, max_tokens=4)).collect()
+        _, interrupting2 = await e2.submit(EngineRequest(other, GREEDY, max_tokens=4)).collect()
         _, again2 = await e2.submit(follow).collect()
         assert (done2.tokens, interrupting2.tokens, again2.tokens) == (
             done.tokens,

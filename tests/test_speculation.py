@@ -20,7 +20,7 @@ from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
 from barrel.engine.observer import NoObserver
 from barrel.engine.speculate import ALIGN, NgramDrafter, align_drafts
-from barrel.engine.types import FinishReason, GenerationRequest, SamplingParams, SessionId
+from barrel.engine.types import EngineRequest, FinishReason, SamplingParams, SessionId
 from barrel.metrics import Metrics
 from bench.drafts import replay
 
@@ -117,7 +117,7 @@ async def test_every_step_that_verifies_drafts_is_a_multiple_of_four(tiny: Llama
     try:
         for prompts in (_prompts(tiny, chat=False)[:1], _prompts(tiny, chat=False)):
             runs = [
-                e.submit(GenerationRequest(p, max_tokens=96, sampling=sampling)).collect()
+                e.submit(EngineRequest(p, max_tokens=96, sampling=sampling)).collect()
                 for p in prompts
             ]
             await asyncio.gather(*runs)
@@ -140,11 +140,11 @@ async def test_a_step_that_reads_prompt_rows_verifies_no_guesses(qwen: LlamaMode
     e = Engine(qwen, opts, observer=observer).start()
     try:
         count = qwen.tokenize(" ".join(["one two three four five six seven eight"] * 4))
-        walker = e.submit(GenerationRequest(count, max_tokens=160, sampling=GREEDY))
+        walker = e.submit(EngineRequest(count, max_tokens=160, sampling=GREEDY))
         async for _ in walker:  # until the copy drafts
             if any(drafted for _, drafted in observer.steps):
                 break
-        reader = e.submit(GenerationRequest(prompt, max_tokens=1))  # read beside the copy
+        reader = e.submit(EngineRequest(prompt, max_tokens=1))  # read beside the copy
         (_, copied), (_, read) = await asyncio.gather(walker.collect(), reader.collect())
         assert read.usage.prompt_computed == len(prompt)
     finally:
@@ -191,8 +191,7 @@ async def _outputs(
     e = Engine(model, opts, observer=metrics.engine_observer("m")).start()
     try:
         runs = [
-            e.submit(GenerationRequest(p, max_tokens=96, sampling=sampling)).collect()
-            for p in prompts
+            e.submit(EngineRequest(p, max_tokens=96, sampling=sampling)).collect() for p in prompts
         ]
         done = [d for _, d in await asyncio.gather(*runs)]  # concurrent: drafts in one batch
         return [d.tokens for d in done], metrics
@@ -276,7 +275,7 @@ async def test_rejected_drafts_leave_no_cells_behind(qwen: LlamaModel) -> None:
     e = Engine(qwen, opts, observer=metrics.engine_observer("m")).start()
     try:
         session = SessionId("s")
-        first = GenerationRequest(prompt, max_tokens=60, sampling=GREEDY, session=session)
+        first = EngineRequest(prompt, max_tokens=60, sampling=GREEDY, session=session)
         _, done = await e.submit(first).collect()
         tried = _counted(metrics, "barrel_engine_draft_tokens_total")
         assert tried > _counted(metrics, "barrel_engine_draft_accepted_tokens_total") > 0
@@ -285,7 +284,7 @@ async def test_rejected_drafts_leave_no_cells_behind(qwen: LlamaModel) -> None:
         # the engine is idle: its thread waits on the inbox
         assert ll.llama_memory_seq_pos_max(e.kv.mem, slot.seq) == len(slot.tokens) - 1
         follow = [*prompt, *done.tokens, *qwen.tokenize("\nAgain:", add_special=False)]
-        second = GenerationRequest(follow, max_tokens=8, sampling=GREEDY, session=session)
+        second = EngineRequest(follow, max_tokens=8, sampling=GREEDY, session=session)
         _, again = await e.submit(second).collect()
         assert again.usage.prompt_reused == len(prompt) + len(done.tokens) - 1
     finally:
@@ -319,7 +318,7 @@ async def test_bench_drafts_replays_the_engine_s_drafts_exactly(
     observer = _Drafts()
     e = Engine(model, opts, observer=observer).start()
     try:
-        request_ = GenerationRequest(prompt, max_tokens=120, sampling=sampling)
+        request_ = EngineRequest(prompt, max_tokens=120, sampling=sampling)
         _, done = await e.submit(request_).collect()
     finally:
         await asyncio.to_thread(e.stop)

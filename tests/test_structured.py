@@ -22,7 +22,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from barrel.pipeline.grammar import json_schema_grammar
+from barrel.pipeline.formats import json_schema_grammar
 from tests.daemon import Daemon, serve_models
 from tests.schema_corpus import corpus
 

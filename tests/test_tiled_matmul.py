@@ -17,7 +17,7 @@ import pytest
 
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import TILED_MATMUL_ENV, LlamaModel
-from barrel.engine.types import GenerationRequest, SamplingParams
+from barrel.engine.types import EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.real_model
 
@@ -36,7 +36,7 @@ async def _logprobs(path: Path) -> dict[str, list[float]]:
     try:
 
         async def ask(prompt: list[int]) -> list[float]:
-            req = GenerationRequest(prompt, max_tokens=24, sampling=GREEDY)
+            req = EngineRequest(prompt, max_tokens=24, sampling=GREEDY)
             deltas, _ = await engine.submit(req).collect()
             return [lp.logprob for d in deltas for lp in d.logprobs]
 

@@ -23,7 +23,7 @@ import pytest
 from barrel.engine.engine import Engine, EngineOptions
 from barrel.engine.model import LlamaModel
 from barrel.engine.projector import is_placeholder
-from barrel.engine.types import GREEDY, GenerationRequest
+from barrel.engine.types import GREEDY, EngineRequest
 from barrel.store.synthetic import (
     ProjectorShape,
     TinyShape,
@@ -76,7 +76,7 @@ async def test_the_engine_reads_an_image_and_reuses_its_cells(
         async def answer(piece: object, text: str = "What is it?") -> tuple[int, ...]:
             prompt = _prompt(model, piece.tokens(), text)  # type: ignore[attr-defined]
             media = piece.media  # type: ignore[attr-defined]
-            request = GenerationRequest(prompt, GREEDY, max_tokens=8, media=media)
+            request = EngineRequest(prompt, GREEDY, max_tokens=8, media=media)
             _, done = await e.submit(request).collect()
             assert done.usage.prompt_tokens == len(prompt)
             return done.tokens
@@ -92,7 +92,7 @@ async def test_the_engine_reads_an_image_and_reuses_its_cells(
             *history,
             *model.tokenize("<|im_end|>\n<|im_start|>user\nAnd?", add_special=False),
         ]
-        request = GenerationRequest(follow, GREEDY, max_tokens=4, media=red.media)
+        request = EngineRequest(follow, GREEDY, max_tokens=4, media=red.media)
         _, done = await e.submit(request).collect()
         assert done.usage.prompt_reused >= len(prompt)
         assert all(not is_placeholder(t) for t in done.tokens)
@@ -110,11 +110,11 @@ async def test_the_engine_refuses_what_it_cannot_read(model: LlamaModel, project
         [piece] = seeing.projector.read(_by_digest(RED)).values()
         prompt = _prompt(model, piece.tokens(), "Hi")
         with pytest.raises(InvalidRequest, match="text only"):
-            plain.submit(GenerationRequest(prompt, GREEDY, media=piece.media))
+            plain.submit(EngineRequest(prompt, GREEDY, media=piece.media))
         with pytest.raises(InvalidRequest, match="outside the vocabulary"):
-            seeing.submit(GenerationRequest(prompt, GREEDY))  # placeholders of no image
+            seeing.submit(EngineRequest(prompt, GREEDY))  # placeholders of no image
         with pytest.raises(InvalidRequest, match="end with an image"):
-            seeing.submit(GenerationRequest(piece.tokens(), GREEDY, media=piece.media))
+            seeing.submit(EngineRequest(piece.tokens(), GREEDY, media=piece.media))
         with pytest.raises(InvalidRequest, match="could not be decoded"):
             seeing.projector.read(_by_digest(b"GIF89a but not really an image"))
     finally:

@@ -51,7 +51,7 @@ class _Queue:
         return not self.running or used + weight <= self.limits.concurrency
 
 
-class Admission(Child):
+class ModelQueues(Child):
     def __init__(self, link: Link, default: QueueLimits | None = None) -> None:
         super().__init__(link)
         self.default = default or QueueLimits()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from barrel.actors import bridge
-from barrel.actors.admission import Admission, QueueLimits
+from barrel.actors.admission import ModelQueues, QueueLimits
 from barrel.actors.catalog import Catalog
 from barrel.actors.keepalive import Keepalive
 from barrel.actors.loader import Loader, ModelSpec, model_options_for
@@ -36,6 +36,7 @@ from barrel.store.gguf_meta import plain_attention, read_gguf
 from barrel.store.manifests import ADAPTER, PROJECTOR
 from barrel.store.names import ModelName
 from barrel.store.store import ModelStore, config_for, details_of
+from barrel.values import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +45,6 @@ LOAD_ASK_TIMEOUT = 120.0
 LOAD_PROGRESS_S = 2.0
 LOCAL_SPEC_TTL_S = 2.0
 NO_TICKET = 0  # a lease outside the queue (admission's tickets start at 1)
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """A loaded model as `ps` reports it (the dialects shape it: barrel.http.codecs)."""
-
-    name: str
-    size: int  # bytes allocated: weights and KV cache
-    digest: str  # 64 hex
-    details: dict[str, Any]
-    expires_at: float | None  # wall-clock seconds; None: kept loaded
-    context_length: int
-    active: int  # leases held
-    running: int  # requests admitted
-    queued: int  # requests waiting in the model's queue
 
 
 @dataclass
@@ -302,7 +288,9 @@ class Lifecycle:
         # The queue place and the activity, asked together: one round trip of latency.
         # Counting as active while queued keeps the model loaded for the queue too.
         enqueued, activated = await asyncio.gather(
-            bridge.call(admission, Admission.enqueue, name, ToLoop().wrap(notify), limits, weight),
+            bridge.call(
+                admission, ModelQueues.enqueue, name, ToLoop().wrap(notify), limits, weight
+            ),
             bridge.call(keepalive, Keepalive.acquire, name),
             return_exceptions=True,
         )
@@ -398,7 +386,7 @@ class Lifecycle:
         ref = self.registry.whereis(ADMISSION)
         if ref is not None:
             try:
-                await bridge.call(ref, Admission.release, name, ticket)
+                await bridge.call(ref, ModelQueues.release, name, ticket)
             except BarrelError:
                 logger.warning("could not release %s's queue place %s", name, ticket)
 
@@ -482,7 +470,7 @@ class Lifecycle:
         admission = self.registry.get(ADMISSION)
         out = []
         for name, spec in loaded.items():
-            running, waiting = await bridge.call(admission, Admission.status, name)
+            running, waiting = await bridge.call(admission, ModelQueues.status, name)
             a = activity.get(name)
             out.append(
                 LoadedModel(

@@ -100,7 +100,7 @@ class ModelSpec:
 
 
 @dataclass
-class Loaded:
+class LoadRecord:
     spec: ModelSpec
     generation: int  # which start of the model the worker reports belong to
     engine: Engine | None = None  # the serving engine once reported
@@ -157,7 +157,7 @@ class Loader(Child):
         self.keepalive = keepalive
         self.intensity = intensity
         self.period = period
-        self._models: dict[str, Loaded] = {}
+        self._models: dict[str, LoadRecord] = {}
         self._failed: dict[str, tuple[str, float]] = {}
         self._unloading: dict[str, list[Answer]] = {}
         self._deferred: list[_Deferred] = []
@@ -260,9 +260,9 @@ class Loader(Child):
 
     # -- internals ------------------------------------------------------------------
 
-    def _start(self, spec: ModelSpec) -> Loaded:
+    def _start(self, spec: ModelSpec) -> LoadRecord:
         name = spec.name
-        loaded = Loaded(spec, next(self._generations))
+        loaded = LoadRecord(spec, next(self._generations))
         worker = ChildSpec(
             worker_name(name),
             partial(

@@ -10,7 +10,7 @@ its process; HTTP: a session), initialize, list its tools, then ping it every fe
 seconds; when the connection ends (the process exited, a ping failed, a call found it
 closed) it connects again after a backoff that doubles up to `mcp.max_backoff_s`, and
 lists the tools anew. Calls come from any thread (`Connection.call`), run on that loop
-under the server's concurrency cap and timeout, and always answer an `Outcome`: a
+under the server's concurrency cap and timeout, and always answer a `CallResult`: a
 failure, a timeout, a server that died mid-call or a result too large become an error
 result or a cut one, never an exception for the caller.
 
@@ -36,6 +36,7 @@ import pykka
 
 from barrel.actors.child import Child, Exit, Link
 from barrel.config import McpConfig, McpServerConfig
+from barrel.pipeline.events import CallResult, ServerTool
 
 logger = logging.getLogger(__name__)
 
@@ -47,25 +48,10 @@ STOP_TIMEOUT_S = 10.0
 CUT_NOTE = "\n[the tool's result was cut here: it had {size} bytes, {limit} are shown]"
 
 
-@dataclass(frozen=True)
-class ToolInfo:
-    name: str
-    description: str
-    schema: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A call's result as the model sees it. `kind`: ok | error (the tool said so) |
-    timeout | failed (the server ended or answered nonsense) | refused (not offered)."""
-
-    text: str
-    kind: str
-    seconds: float
-
-    @property
-    def error(self) -> bool:
-        return self.kind != "ok"
+def timed_out(tool: str, timeout_s: float) -> CallResult:
+    """A call that did not answer within its server's `timeout_s` (waiting for the
+    server included)."""
+    return CallResult(f"the tool {tool} timed out after {timeout_s:g}s", "timeout", timeout_s)
 
 
 @dataclass(frozen=True)
@@ -97,7 +83,7 @@ class Connection:
         self.error = ""
         self.restarts = 0
         self.in_flight = 0
-        self.tools: dict[str, ToolInfo] = {}
+        self.tools: dict[str, ServerTool] = {}
         self._session: Any = None
         # bound to the connection's loop at their first use (on its thread)
         self._broken = asyncio.Event()
@@ -206,7 +192,7 @@ class Connection:
 
     async def _handshake(self, session: Any) -> None:
         await session.initialize()
-        listed: dict[str, ToolInfo] = {}
+        listed: dict[str, ServerTool] = {}
         cursor = None
         while True:
             from mcp.types import PaginatedRequestParams
@@ -217,7 +203,9 @@ class Connection:
                 offered = not self.config.tools or tool.name in self.config.tools
                 if offered:
                     schema = tool.input_schema if isinstance(tool.input_schema, dict) else {}
-                    listed[tool.name] = ToolInfo(tool.name, tool.description or "", schema)
+                    listed[tool.name] = ServerTool(
+                        self.name, tool.name, tool.description or "", schema
+                    )
             cursor = page.next_cursor
             if not cursor or len(listed) > 1024:
                 break
@@ -254,16 +242,16 @@ class Connection:
 
     # -- calls ---------------------------------------------------------------------
 
-    def call(self, tool: str, arguments: dict[str, Any]) -> concurrent.futures.Future[Outcome]:
-        """Run `tool` on the server from any thread; the future always gets an Outcome."""
+    def call(self, tool: str, arguments: dict[str, Any]) -> concurrent.futures.Future[CallResult]:
+        """Run `tool` on the server from any thread; the future always gets an CallResult."""
         try:
             return asyncio.run_coroutine_threadsafe(self._call(tool, arguments), self._loop)
         except RuntimeError:  # the loop is closed: the actor is ending
-            done: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
-            done.set_result(Outcome(f"the tool server {self.name} is stopped", "failed", 0.0))
+            done: concurrent.futures.Future[CallResult] = concurrent.futures.Future()
+            done.set_result(CallResult(f"the tool server {self.name} is stopped", "failed", 0.0))
             return done
 
-    async def _call(self, tool: str, arguments: dict[str, Any]) -> Outcome:
+    async def _call(self, tool: str, arguments: dict[str, Any]) -> CallResult:
         began = time.monotonic()
         self.in_flight += 1
         try:
@@ -271,10 +259,10 @@ class Connection:
                 self._call_when_ready(tool, arguments), self.config.timeout_s
             )
         except TimeoutError:
-            text, kind = f"the tool {tool} timed out after {self.config.timeout_s:g}s", "timeout"
+            return timed_out(tool, self.config.timeout_s)
         finally:
             self.in_flight -= 1
-        return Outcome(text, kind, time.monotonic() - began)
+        return CallResult(text, kind, time.monotonic() - began)
 
     async def _call_when_ready(self, tool: str, arguments: dict[str, Any]) -> tuple[str, str]:
         if tool not in self.tools:

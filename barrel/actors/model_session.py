@@ -2,7 +2,7 @@
 
 `Models.open(...)` yields a `ModelSession`. Everything a handler does with the model
 goes through it: the vocabulary, sampling, the chat template, the engine (which the
-generation path, barrel.pipeline.generate, runs), embeddings and reranking. The session
+generation path, barrel.pipeline.generation, runs), embeddings and reranking. The session
 holds the model (`LlamaModel.retain`), so an unload in the middle stops the engine but
 frees the vocabulary only after the last session let go; once the session is closed,
 every method raises `SessionClosed` instead of touching the model.
@@ -209,7 +209,7 @@ class ModelSession:
 
     @property
     def engine(self) -> Engine:
-        """The model's engine, for the generation path (barrel.pipeline.generate)."""
+        """The model's engine, for the generation path (barrel.pipeline.generation)."""
         return self._live()
 
     @property

@@ -1,7 +1,7 @@
 """The facade HTTP talks to: models to open, manage and watch.
 
     async with models.open("qwen", on_queued=..., on_loading=...) as session:
-        gen = await barrel.pipeline.generate.start(session, req)
+        gen = await barrel.pipeline.generation.start(session, req)
         async for index, event in merged(gen.runs): ...
 
 `open` takes a lease (a place in the model's FIFO queue, activity for keep-alive, the
@@ -24,7 +24,7 @@ from typing import Any
 
 from barrel.actors import bridge
 from barrel.actors.child import Child
-from barrel.actors.lifecycle import Lease, Lifecycle, LoadedModel
+from barrel.actors.lifecycle import Lease, Lifecycle
 from barrel.actors.manage import ModelManager
 from barrel.actors.mcp import ToolDirectory
 from barrel.actors.model_session import ModelCaches, ModelSession
@@ -40,6 +40,7 @@ from barrel.metrics import Metrics
 from barrel.store.download import fetch_bounded
 from barrel.store.netpolicy import NetPolicy
 from barrel.store.store import ModelStore
+from barrel.values import LoadedModel
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ State = Literal["running", "restarting", "failed"]
 
 
 @dataclass(frozen=True)
-class Entry:
+class Registration:
     name: str
     ref: pykka.ActorRef[Any] | None
     state: State
@@ -34,7 +34,7 @@ class Registry:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
-        self._entries: dict[str, Entry] = {}
+        self._entries: dict[str, Registration] = {}
 
     def register(self, name: str, ref: pykka.ActorRef[Any], supervisor: str) -> None:
         with self._lock:
@@ -42,14 +42,14 @@ class Registry:
             live = old is not None and old.ref is not None and old.ref.is_alive()
             if live and old is not None and old.ref is not ref:
                 raise ValueError(f"name {name!r} is already registered")
-            self._entries[name] = Entry(name, ref, "running", supervisor)
+            self._entries[name] = Registration(name, ref, "running", supervisor)
             self._changed.notify_all()
 
     def mark_down(self, name: str, state: State, reason: str = "") -> None:
         with self._lock:
             old = self._entries.get(name)
             supervisor = old.supervisor if old else ""
-            self._entries[name] = Entry(name, None, state, supervisor, reason)
+            self._entries[name] = Registration(name, None, state, supervisor, reason)
             self._changed.notify_all()
 
     def unregister(self, name: str) -> None:
@@ -71,7 +71,7 @@ class Registry:
             raise Unavailable(f"{name} is not running", retry_after=1.0)
         return ref
 
-    def entries(self) -> list[Entry]:
+    def entries(self) -> list[Registration]:
         with self._lock:
             return list(self._entries.values())
 

@@ -2,7 +2,7 @@
 use, and the calls themselves (run by the servers' connections, barrel.actors.mcp).
 
     toolbox = models.tools.grant(req.servers, scope)     # 4xx/503, before any lease
-    gen = await generate.start(session, req, limits, toolbox)
+    gen = await generation.start(session, req, limits, toolbox)
 
 Who may use what: a daemon without API keys offers a server only where its
 configuration says `anonymous = true`; with keys, a server's `keys` table lists the keys
@@ -18,12 +18,12 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from barrel.actors.mcp import ServerState, ToolDirectory
+from barrel.actors.mcp import ServerState, ToolDirectory, timed_out
 from barrel.config import Config, McpServerConfig
 from barrel.errors import Forbidden, InvalidRequest, Unavailable
 from barrel.metrics import Metrics
+from barrel.pipeline.events import CallResult, ServerTool
 from barrel.pipeline.request import ServerUse
-from barrel.pipeline.servertools import CallResult, ServerTool
 
 # Past the server's own timeout, the facade's wait for a connection that does not answer.
 GRACE_S = 5.0
@@ -52,7 +52,7 @@ class ToolServers:
     def states(self) -> list[ServerState]:
         return sorted(self.directory.states(), key=lambda s: s.name)
 
-    def grant(self, uses: tuple[ServerUse, ...], scope: str) -> Toolbox | None:
+    def grant(self, uses: tuple[ServerUse, ...], scope: str) -> GrantedTools | None:
         """The tools `uses` may call for the caller of `scope`, or a 4xx/503 saying why
         not. None when the request names no server."""
         if not uses:
@@ -73,13 +73,13 @@ class ToolServers:
                         f"the tool server {use.name!r} offers no tool {name!r} to this caller",
                         param="tools",
                     )
-            for info in offered.values():
-                if allowed is not None and info.name not in allowed:
+            for tool in offered.values():
+                if allowed is not None and tool.name not in allowed:
                     continue
-                if use.tools is not None and info.name not in use.tools:
+                if use.tools is not None and tool.name not in use.tools:
                     continue
-                tools.append(ServerTool(use.name, info.name, info.description, info.schema))
-        return Toolbox(tuple(tools), self)
+                tools.append(tool)
+        return GrantedTools(tuple(tools), self)
 
     def _configured(self, use: ServerUse) -> McpServerConfig:
         server = self.config.servers.get(use.name)
@@ -115,27 +115,20 @@ class ToolServers:
         connection = self.directory.get(tool.server)
         server = self.config.servers[tool.server]
         if connection is None:
-            result = CallResult(f"the tool server {tool.server} is not running", True, "failed", 0)
+            result = CallResult(f"the tool server {tool.server} is not running", "failed")
         else:
             future = asyncio.wrap_future(connection.call(tool.name, arguments))
             try:
-                outcome = await asyncio.wait_for(future, server.timeout_s + GRACE_S)
+                result = await asyncio.wait_for(future, server.timeout_s + GRACE_S)
             except TimeoutError:
-                result = CallResult(
-                    f"the tool {tool.name} timed out after {server.timeout_s:g}s",
-                    True,
-                    "timeout",
-                    server.timeout_s,
-                )
-            else:
-                result = CallResult(outcome.text, outcome.error, outcome.kind, outcome.seconds)
+                result = timed_out(tool.name, server.timeout_s)
         if self.metrics is not None:
             self.metrics.tool_call(tool.server, tool.name, result.kind, result.seconds)
         return result
 
 
 @dataclass(frozen=True)
-class Toolbox:
+class GrantedTools:
     """One request's server tools (barrel.pipeline.servertools.Toolbox)."""
 
     tools: tuple[ServerTool, ...]

@@ -27,7 +27,7 @@ from typing import Any
 
 import pykka
 
-from barrel.actors.admission import Admission
+from barrel.actors.admission import ModelQueues
 from barrel.actors.catalog import Catalog
 from barrel.actors.child import Link
 from barrel.actors.evictor import Evictor
@@ -112,7 +112,7 @@ def daemon_tree(
                 ),
             ),
             ChildSpec(STORE, partial(StoreActor.start, store=store)),
-            ChildSpec(ADMISSION, Admission.start),
+            ChildSpec(ADMISSION, ModelQueues.start),
             ChildSpec(
                 KEEPALIVE,
                 partial(

@@ -18,18 +18,18 @@ from barrel.engine.projector import Projector, is_placeholder
 from barrel.engine.roster import Roster
 from barrel.engine.run import Run
 from barrel.engine.shared import Shared
-from barrel.engine.types import FinishReason, GenerationRequest
+from barrel.engine.types import EngineRequest, FinishReason
 from barrel.errors import InvalidRequest
 
 
-def check_media(req: GenerationRequest, projector: Projector | None) -> None:
+def check_media(req: EngineRequest, projector: Projector | None) -> None:
     """A prompt's image placeholders must all be images this request brought, and
     never end it (the first sample needs a text token's logits). Any thread."""
     holes = {t for t in req.prompt if is_placeholder(t)}
     if not holes and not req.media:
         return
     if projector is None:
-        raise InvalidRequest("this model reads text only; images are not supported")
+        raise InvalidRequest("this model reads text only; images and audio are not supported")
     if holes - {m.token for m in req.media}:
         raise InvalidRequest("the prompt has token ids outside the vocabulary")
     if is_placeholder(req.prompt[-1]):
@@ -109,10 +109,10 @@ class Admission:
             self.kv.truncate(slot, start)
             run.n_past = start
 
-    def images(self, lora: Scales) -> None:
-        """Evaluate the image each prefilling sequence has reached (the projector decodes
-        its embeddings into the sequence). No KV room: parked sequences go first, then
-        the request fails, as for tokens."""
+    def media(self, lora: Scales) -> None:
+        """Evaluate the image or audio window each prefilling sequence has reached (the
+        projector decodes its embeddings into the sequence). No KV room: parked
+        sequences go first, then the request fails, as for tokens."""
         if self.projector is None:
             return
         for run in list(self.roster.active):

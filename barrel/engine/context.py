@@ -81,8 +81,6 @@ class EngineOptions:
     # its first token. 0: start at once.
     gather_s: float = 0.004
     state_cache_bytes: int = 256 * 1024 * 1024  # 0: off
-    state_cache_dir: Path | None = None
-    state_cache_disk_bytes: int = 1024 * 1024 * 1024
     loras: tuple[LoraAdapter, ...] = ()
     # Prompt-lookup speculative decoding (barrel.engine.speculate): "ngram" or "off";
     # at most `draft_max` draft tokens a step, matched on the last `draft_ngram` tokens.

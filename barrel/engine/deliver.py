@@ -18,8 +18,9 @@ from barrel.engine.sampler import LogitRows
 from barrel.engine.shared import Shared
 from barrel.engine.stream import Stream
 from barrel.engine.turns import NextTurns
-from barrel.engine.types import Event, FinishReason, RequestId, TokenLogprob
+from barrel.engine.types import Event, FinishReason, RequestId
 from barrel.futures import ToLoop
+from barrel.values import TokenLogprob
 
 
 class Delivery:

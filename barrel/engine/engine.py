@@ -58,7 +58,7 @@ from barrel.engine.kvdisk import WRITE_WAIT_S, SaveTo, model_states
 from barrel.engine.lora import Loras
 from barrel.engine.model import LlamaModel
 from barrel.engine.observer import EngineObserver, NoObserver
-from barrel.engine.plan import Entry, Planner
+from barrel.engine.plan import Planner, Step
 from barrel.engine.roster import Roster, runnable
 from barrel.engine.run import Run
 from barrel.engine.sampler import LogitRows, Sampler
@@ -66,7 +66,7 @@ from barrel.engine.shared import Shared
 from barrel.engine.slots import SlotManager
 from barrel.engine.stream import Stream
 from barrel.engine.turns import NextTurns
-from barrel.engine.types import FinishReason, GenerationRequest, RequestId
+from barrel.engine.types import EngineRequest, FinishReason, RequestId
 from barrel.engine.verify import Verifier
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.futures import Reply, ToLoop
@@ -104,9 +104,7 @@ class Engine:
         self.ctx, adapters, self.projector = open_context(model, opts, self.n_ctx)
         self.verifier: Verifier | None = None
         self.loras = Loras(self.ctx, adapters, tuple(lo.scale for lo in opts.loras))
-        cache = StateCache(
-            opts.state_cache_bytes, opts.state_cache_dir, opts.state_cache_disk_bytes
-        )
+        cache = StateCache(opts.state_cache_bytes)
         self.kv = SlotManager(
             self.ctx,
             model,
@@ -193,7 +191,7 @@ class Engine:
 
     # -- API (any thread) -----------------------------------------------------------
 
-    def submit(self, req: GenerationRequest) -> Stream:
+    def submit(self, req: EngineRequest) -> Stream:
         """Queue a generation; read the returned stream on the calling event loop. Bad
         input raises here, before anything is queued."""
         to_loop = ToLoop()
@@ -423,17 +421,16 @@ class Engine:
             delivery.finish(run, FinishReason.CANCELLED)
         if self.kv.per_sequence:
             self.planner.close_gap()
-        entries = self.planner.fill()
+        step = self.planner.fill()
         elapsed = -1.0
-        if entries or self.planner.pins:
+        if step:
             start = time.monotonic()
-            entries = self._decode(entries)
+            step = self._decode(step)
             elapsed = time.monotonic() - start
             self.steps += 1
             self.planner.timed(elapsed)
-            delivery.decoded(entries, self.verifier.verify if self.verifier else None)
-            self.roster.pinned(self.planner.pins)
-            self.planner.pins = []
+            delivery.decoded(step.parts, self.verifier.verify if self.verifier else None)
+            self.roster.pinned(step.prefixes)
         cells = self.kv.kv_cells()
         active = len(self.roster.active)
         if elapsed >= 0:
@@ -442,20 +439,20 @@ class Engine:
         delivery.flush()
         return elapsed
 
-    def _decode(self, entries: list[Entry]) -> list[Entry]:
+    def _decode(self, step: Step) -> Step:
         """Decode the batch. With no KV room: evict parked sequences, then idle pinned
         prefixes, then fail the youngest request, rebuilding the batch each time.
-        Returns the entries decoded."""
+        Returns the step decoded (empty: none was)."""
         while True:
             ret = ll.llama_decode(self.ctx, self._batch.raw)
             if ret == 0:
-                return entries
+                return step
             if ret != 1:
                 raise RuntimeError(f"llama_decode failed with status {ret}")
             if self.kv.evict_lru() or self.kv.evict_pin():
                 pass
-            elif entries:
-                youngest = max((r for r, _, _ in entries), key=lambda r: r.admitted)
+            elif step.parts:
+                youngest = max((r for r, _, _ in step.parts), key=lambda r: r.admitted)
                 logger.warning(
                     "engine %s: KV cache full; failing request %s", self.name, youngest.id
                 )
@@ -466,15 +463,13 @@ class Engine:
                 self.roster.fail_pins(
                     KVCacheFull("no KV room for the pinned prefix", retry_after=1.0)
                 )
-                self.planner.pins = []
-            entries = self.planner.fill()
-            if not entries and not self.planner.pins:
-                return []
+            step = self.planner.fill()
+            if not step:
+                return step
 
     def _fail_all(self, error: BarrelError) -> None:
         roster = self.roster
         roster.fail_pins(error)
-        self.planner.pins = []
         runs = list(roster.waiting) + list(roster.active)
         roster.waiting.clear()
         for run in runs:

@@ -1,19 +1,15 @@
 """KV bookkeeping for the engine: which tokens each sequence holds, and a byte-bounded
-cache of sequence states evicted from the context (RAM, spilling to an optional disk
-directory). Used from the engine thread only."""
+RAM cache of sequence states evicted from the context (states on disk are
+barrel.engine.kvdisk's). Used from the engine thread only."""
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 
 def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
@@ -54,41 +50,34 @@ class Slot:
 
 @dataclass
 class SavedState:
+    """A sequence state evicted from the context, kept in RAM."""
+
     tokens: tuple[int, ...]
     session: str | None
-    data: bytes | None  # None: spilled to disk
-    path: Path | None = None
+    data: bytes
     scope: str = ""
-    logits: Logits | None = None  # the slot's `prompt_logits` (in RAM only)
+    logits: Logits | None = None  # the slot's `prompt_logits`
 
     @property
     def size(self) -> int:
-        if self.data is None:
-            return 0
         return len(self.data) + (self.logits[1].nbytes if self.logits is not None else 0)
 
 
 class StateCache:
-    """LRU of evicted sequence states, bounded in bytes; evictions spill to `disk_dir`
-    (also bounded) when one is set."""
+    """LRU of evicted sequence states, bounded in bytes; the oldest is dropped when a
+    new one does not fit (its conversation is prefilled again if it comes back)."""
 
-    def __init__(self, ram_bytes: int, disk_dir: Path | None = None, disk_bytes: int = 0) -> None:
+    def __init__(self, ram_bytes: int) -> None:
         self.ram_bytes = ram_bytes
-        self.disk_dir = disk_dir
-        self.disk_bytes = disk_bytes
         self._ram: OrderedDict[str, SavedState] = OrderedDict()
-        self._disk: OrderedDict[str, SavedState] = OrderedDict()
         self._ram_used = 0
-        self._disk_used = 0
-        if disk_dir is not None:
-            disk_dir.mkdir(parents=True, exist_ok=True)
 
     @property
     def enabled(self) -> bool:
         return self.ram_bytes > 0
 
     def __len__(self) -> int:
-        return len(self._ram) + len(self._disk)
+        return len(self._ram)
 
     def put(
         self,
@@ -108,9 +97,8 @@ class StateCache:
         self._ram[key] = st
         self._ram_used += st.size
         while self._ram_used > self.ram_bytes:
-            old_key, old = self._ram.popitem(last=False)
+            _, old = self._ram.popitem(last=False)
             self._ram_used -= old.size
-            self._spill(old_key, old)
 
     def best(
         self, prompt: list[int], min_len: int, scope: str = ""
@@ -118,65 +106,27 @@ class StateCache:
         """The saved state of `scope` sharing the longest prefix with `prompt`, if longer
         than `min_len` tokens."""
         found: tuple[str, SavedState, int] | None = None
-        for store in (self._ram, self._disk):
-            for key, st in store.items():
-                if st.scope != scope:
-                    continue
-                n = common_prefix(st.tokens, prompt)
-                if n > min_len and (found is None or n > found[2]):
-                    found = (key, st, n)
+        for key, st in self._ram.items():
+            if st.scope != scope:
+                continue
+            n = common_prefix(st.tokens, prompt)
+            if n > min_len and (found is None or n > found[2]):
+                found = (key, st, n)
         return found
 
     def take(self, key: str) -> bytes | None:
-        """Remove an entry and return its bytes (read back from disk if spilled)."""
+        """Remove an entry and return its bytes."""
         st = self._ram.pop(key, None)
-        if st is not None:
-            self._ram_used -= st.size
-            return st.data
-        st = self._disk.pop(key, None)
-        if st is None or st.path is None:
+        if st is None:
             return None
-        try:
-            data = st.path.read_bytes()
-            self._disk_used -= st.path.stat().st_size
-            st.path.unlink()
-            return data
-        except OSError:
-            logger.warning("state cache file %s is gone", st.path)
-            return None
+        self._ram_used -= st.size
+        return st.data
 
     def entries(self) -> list[tuple[str, tuple[int, ...], bytes]]:
-        """Every entry as (scope, tokens, state), read back from disk if spilled."""
-        out = [(st.scope, st.tokens, st.data) for st in self._ram.values() if st.data is not None]
-        for st in self._disk.values():
-            if st.path is not None:
-                try:
-                    out.append((st.scope, st.tokens, st.path.read_bytes()))
-                except OSError:
-                    pass
-        return out
+        """Every entry as (scope, tokens, state)."""
+        return [(st.scope, st.tokens, st.data) for st in self._ram.values()]
 
     def _drop(self, key: str) -> None:
         st = self._ram.pop(key, None)
         if st is not None:
             self._ram_used -= st.size
-
-    def _spill(self, key: str, st: SavedState) -> None:
-        if self.disk_dir is None or st.data is None or len(st.data) > self.disk_bytes:
-            return
-        path = self.disk_dir / f"{key}.state"
-        try:
-            path.write_bytes(st.data)
-        except OSError as exc:
-            logger.warning("cannot spill a sequence state to %s: %s", path, exc)
-            return
-        self._disk[key] = SavedState(st.tokens, st.session, None, path, st.scope)
-        self._disk_used += len(st.data)
-        while self._disk_used > self.disk_bytes and self._disk:
-            _, old = self._disk.popitem(last=False)
-            if old.path is not None:
-                try:
-                    self._disk_used -= old.path.stat().st_size
-                    old.path.unlink()
-                except OSError:
-                    pass

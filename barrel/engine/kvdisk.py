@@ -73,7 +73,7 @@ def fingerprint(**parts: object) -> str:
 
 
 @dataclass
-class Entry:
+class StateFile:
     key: str
     path: Path
     model: str
@@ -108,7 +108,7 @@ class KVDisk:
         self.budget = budget
         self.on_restored = on_restored
         self._lock = threading.Lock()
-        self._entries: dict[str, Entry] | None = None  # built on first use
+        self._entries: dict[str, StateFile] | None = None  # built on first use
         self._by_link: dict[tuple[str, str, bytes], set[str]] = {}
         self._used = 0  # bytes of the files, plus those being written
         self._jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
@@ -118,7 +118,7 @@ class KVDisk:
 
     def best(
         self, fp: str, scope: str, prompt: list[int], min_len: int
-    ) -> tuple[Entry, int] | None:
+    ) -> tuple[StateFile, int] | None:
         """The saved state of `fp` and `scope` sharing the longest prefix with `prompt`
         (whole chain blocks found through the index, then counted token by token), if
         longer than `min_len`."""
@@ -133,14 +133,14 @@ class KVDisk:
                     break
                 found = keys
             candidates = [self._entries[k] for k in found if self._entries and k in self._entries]
-        best: tuple[Entry, int] | None = None
+        best: tuple[StateFile, int] | None = None
         for entry in candidates:
             n = common_prefix(entry.tokens.tolist(), prompt)
             if n > min_len and (best is None or n > best[1]):
                 best = (entry, n)
         return best
 
-    def read(self, entry: Entry) -> bytes | None:
+    def read(self, entry: StateFile) -> bytes | None:
         """The state's bytes, checked against the header's checksum; a file that does not
         check out is removed (None)."""
         try:
@@ -272,7 +272,9 @@ class KVDisk:
             with self._lock:
                 self._used -= size
             return False
-        entry = Entry(key, path, model, fp, blob, st.scope, tokens, size, time.time(), tuple(links))
+        entry = StateFile(
+            key, path, model, fp, blob, st.scope, tokens, size, time.time(), tuple(links)
+        )
         with self._lock:
             self._used -= size
             self._add(entry)
@@ -284,7 +286,7 @@ class KVDisk:
 
     # -- removing ------------------------------------------------------------------
 
-    def remove_where(self, keep: Callable[[Entry], bool]) -> int:
+    def remove_where(self, keep: Callable[[StateFile], bool]) -> int:
         """Remove every state `keep` says no to; returns how many."""
         with self._lock:
             self._index()
@@ -319,7 +321,7 @@ class KVDisk:
                 else:
                     self._add(entry)
 
-    def _add(self, entry: Entry) -> None:
+    def _add(self, entry: StateFile) -> None:
         assert self._entries is not None
         if entry.key in self._entries:
             self._forget(entry.key, unlink=False)
@@ -383,7 +385,7 @@ def _read_header(f: BinaryIO) -> tuple[dict[str, Any], int]:
     return header, len(MAGIC) + _LEN.size + n
 
 
-def _scan(path: Path) -> Entry | None:
+def _scan(path: Path) -> StateFile | None:
     """An index entry from a file's header and tokens (the state is checked on restore);
     None if the header is bad or the file's size does not match it."""
     try:
@@ -397,7 +399,7 @@ def _scan(path: Path) -> Entry | None:
     if len(raw) != n * TOKEN.itemsize or st.st_size != body_at + len(raw) + int(header["data"]):
         return None
     tokens = np.frombuffer(raw, dtype=TOKEN).copy()
-    return Entry(
+    return StateFile(
         path.name[: -len(SUFFIX)],
         path,
         str(header["model"]),
@@ -420,7 +422,7 @@ class ModelStates:
     fingerprint: str
     blob: str
 
-    def best(self, prompt: list[int], scope: str, min_len: int) -> tuple[Entry, int] | None:
+    def best(self, prompt: list[int], scope: str, min_len: int) -> tuple[StateFile, int] | None:
         return self.disk.best(self.fingerprint, scope, prompt, min_len)
 
     def restore(

@@ -14,7 +14,7 @@ import llama_cpp as ll
 
 from barrel.engine.context import set_lora_scales
 from barrel.engine.run import Run
-from barrel.engine.types import GenerationRequest
+from barrel.engine.types import EngineRequest
 from barrel.errors import InvalidRequest
 
 # The largest LoRA scale a request may set (llama-server takes any float; a huge one
@@ -35,7 +35,7 @@ class Loras:
         self.served: dict[Scales, int] = {}
         self._ticks = 0
 
-    def check(self, req: GenerationRequest) -> GenerationRequest:
+    def check(self, req: EngineRequest) -> EngineRequest:
         """`req` with its LoRA scales checked, and a KV scope of their own when they
         differ from the load-time scales (cells computed under other adapters are not
         this request's). Any thread."""

@@ -11,6 +11,7 @@ pinned prefixes' rows of this step; engine thread."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from barrel.engine.admit import Admission
 from barrel.engine.inbox import PinJob
@@ -30,7 +31,20 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGPROB_CHUNK = 64
 
 # (run, batch index of its logits or -1, tokens it put in the batch)
-Entry = tuple[Run, int, int]
+StepPart = tuple[Run, int, int]
+
+
+@dataclass
+class Step:
+    """What one filled batch holds, for the engine to decode and then hand on: each
+    request's part, and the rows of pinned prefixes being written (job, rows)."""
+
+    parts: list[StepPart] = field(default_factory=list)
+    prefixes: list[tuple[PinJob, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.parts or self.prefixes)
+
 
 # Steps a gap between running sequences (a KV stream each) is left for a new request to
 # fill before a running sequence moves into it (`SlotManager.close_gap`): a request that
@@ -77,16 +91,15 @@ class Planner:
         self.verifier, self.admission = verifier, admission
         self.prompt_rows = 0  # prompt rows in the batch (fill)
         self.row_s = 0.0  # seconds a row of steps with prompt rows costs lately
-        self.pins: list[tuple[PinJob, int]] = []  # pinned prefixes' rows in the batch
         self._gap_steps = 0  # steps the running sequences' ids have not been one run
         self.gap_moves = 0  # running sequences moved to join the others
 
-    def fill(self) -> list[Entry]:
+    def fill(self) -> Step:
         """Fill the batch: one token (and a draft) for each generating sequence, then
         prompt chunks (`shares`), then pinned prefixes."""
         b = self.batch
         b.clear()
-        entries: list[Entry] = []
+        entries: list[StepPart] = []
         active = self.roster.active
         lora = self.loras.for_step(
             (r for r in active if runnable(r)), pinning=bool(self.roster.pinning)
@@ -101,7 +114,7 @@ class Planner:
             and runnable(run)
             and self.loras.of(run) == lora
         ]
-        self.admission.images(lora)
+        self.admission.media(lora)
         prefilling = [r for r in active if r.prefilling and self.loras.of(r) == lora]
         # no guesses beside prompt rows (a grammar's forced tokens still go)
         planned = self.verifier.plan(generating, b.capacity, speculate=not prefilling)
@@ -151,13 +164,12 @@ class Planner:
                 entries.append(self._add_chunk(who, rows_taken))
                 if entries[-1][1] >= 0:
                     spare -= self.force_start(who, spare)
-        self.pins = pins
-        if not entries and self.pins:
-            # Only pins in this batch: llama_decode needs one output somewhere.
+        if not entries and pins:
+            # Only pinned prefixes in this batch: llama_decode needs one output somewhere.
             b.raw.logits[b.n - 1] = True
-        return entries
+        return Step(entries, pins)
 
-    def _add_next(self, run: Run) -> Entry:
+    def _add_next(self, run: Run) -> StepPart:
         """A generating sequence's pending token and its draft."""
         assert run.slot is not None
         assert run.pending is not None
@@ -170,7 +182,7 @@ class Planner:
             b.add(token, run.n_past + 1 + j, run.slot.seq, not run.forced or j == last)
         return run, index, 1
 
-    def _add_chunk(self, run: Run, take: int) -> Entry:
+    def _add_chunk(self, run: Run, take: int) -> StepPart:
         """`take` of a prompt's tokens; the entry's index is its last token's row, if
         this chunk reads it."""
         assert run.slot is not None

@@ -11,23 +11,14 @@ from barrel.engine.sampler import Sampler
 from barrel.engine.speculate import NgramDrafter
 from barrel.engine.stream import Stream
 from barrel.engine.text import StopMatcher, Utf8Stream
-from barrel.engine.types import (
-    Delta,
-    Done,
-    Event,
-    FinishReason,
-    GenerationRequest,
-    RequestId,
-    Timings,
-    TokenLogprob,
-    Usage,
-)
+from barrel.engine.types import Delta, Done, EngineRequest, Event, FinishReason, RequestId, Timings
+from barrel.values import TokenLogprob, Usage
 
 
 @dataclass
 class Run:
     id: RequestId
-    req: GenerationRequest
+    req: EngineRequest
     stream: Stream
     sampler: Sampler
     submitted: float = field(default_factory=time.monotonic)

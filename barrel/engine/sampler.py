@@ -20,7 +20,8 @@ import numpy as np
 from barrel.engine.errors import InvalidGrammar
 from barrel.engine.grammar import Constraint
 from barrel.engine.model import LlamaModel
-from barrel.engine.types import SamplingParams, TokenLogprob, TopLogprob
+from barrel.engine.types import SamplingParams
+from barrel.values import TokenLogprob, TopLogprob
 
 # llama.cpp's llama_token_data, for sampling from logits kept outside the context
 TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])

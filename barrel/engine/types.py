@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, NewType
 
 import msgspec
 
+from barrel.values import TokenLogprob, Usage
+
 if TYPE_CHECKING:
     from barrel.engine.projector import Media
 
@@ -51,7 +53,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
+class EngineRequest:
     prompt: list[int]
     sampling: SamplingParams = GREEDY
     max_tokens: int | None = None  # None: until EOG or the context is full
@@ -87,21 +89,6 @@ class FinishReason(StrEnum):
 
 
 @dataclass(frozen=True)
-class TopLogprob:
-    token: int
-    text: str
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token: int
-    text: str
-    logprob: float
-    top: tuple[TopLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
 class Delta:
     """New output of one sequence in one step. `text` is whole UTF-8 characters with
     stop-string candidates held back; `tokens` are the ids sampled this step."""
@@ -109,17 +96,6 @@ class Delta:
     text: str
     tokens: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    prompt_reused: int  # taken from the KV cache (a parked sequence or the state cache)
-    prompt_computed: int  # prefilled this time
-    # Why nothing (or less) was reused although a prefix matched, e.g. a sliding-window
-    # model refused a partial KV removal: "" when reuse went as planned.
-    reuse_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -143,7 +119,7 @@ class Done:
     timings: Timings
     stop_sequence: str | None = None
     tokens: tuple[int, ...] = field(default=())  # every generated token, in order
-    # with GenerationRequest.prompt_logprobs: one per prompt token but the first
+    # with EngineRequest.prompt_logprobs: one per prompt token but the first
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 

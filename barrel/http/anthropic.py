@@ -10,10 +10,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from barrel.http.codecs import anthropic as codec
-from barrel.http.generate import SseTransport, conversation_of, serve, with_images
+from barrel.http.generate import SseTransport, conversation_of, serve, with_media
 from barrel.http.keys import CONFIG, MODELS
 from barrel.http.limits import check_limits
-from barrel.pipeline import generate
+from barrel.pipeline import generation
 
 routes = web.RouteTableDef()
 
@@ -33,9 +33,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     req, body = codec.decode(await request.read(), counting=True, conversation=conversation)
     check_limits(request, body.messages, body.tools)
     limits = request.app[CONFIG].limits
-    generate.check(req, limits)
-    req = await with_images(request, req)
+    generation.check(req, limits)
+    req = await with_media(request, req)
     # counting does not wait behind generation
     async with request.app[MODELS].open(req.model, queued=False) as session:
-        prepared = await generate.prepare(session, req, limits)
+        prepared = await generation.prepare(session, req, limits)
     return web.json_response({"input_tokens": len(prepared.prompt)})

@@ -27,8 +27,8 @@ from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import STAMP, Begin, Comment, Data, Encoder, EndMarker, Frame, Stamp
 from barrel.http.keys import API_KEY, CONFIG, MODELS
 from barrel.http.sse import SseWriter
-from barrel.pipeline import audio, generate, images
-from barrel.pipeline.request import GenerateRequest
+from barrel.pipeline import audio, generation, images
+from barrel.pipeline.request import ApiRequest
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def _line(obj: dict[str, Any]) -> bytes:
     return msgspec.json.encode(obj) + b"\n"  # as in barrel.http.sse
 
 
-async def with_images(request: web.Request, req: GenerateRequest) -> GenerateRequest:
+async def with_media(request: web.Request, req: ApiRequest) -> ApiRequest:
     """`req` with its images' and audio clips' bytes in hand (barrel.pipeline.images,
     .audio). A model without a projector that reads them is a 400 first, before any
     load or download."""
@@ -161,7 +161,7 @@ async def with_images(request: web.Request, req: GenerateRequest) -> GenerateReq
 
 async def serve(
     request: web.Request,
-    req: GenerateRequest,
+    req: ApiRequest,
     encoder: Encoder,
     transport: Transport | None,
     *,
@@ -173,11 +173,11 @@ async def serve(
     `finished()` runs once the generation ended well, before the last frames go out;
     `reply(encoder.full())` is the response when nothing streams."""
     limits = request.app[CONFIG].limits
-    generate.check(req, limits)
+    generation.check(req, limits)
     req = msgspec.structs.replace(req, scope=scope_of(request))
     tools = request.app[MODELS].tools
     toolbox = tools.grant(req.servers, req.scope)
-    req = await with_images(request, req)
+    req = await with_media(request, req)
     started = stamp.perf()
 
     def queued(position: int) -> None:
@@ -197,7 +197,7 @@ async def serve(
             sequences=req.runs,
         ) as session:
             load_s = stamp.perf() - started
-            gen = await generate.start(session, req, limits, toolbox, tools.max_rounds)
+            gen = await generation.start(session, req, limits, toolbox, tools.max_rounds)
             begin = Begin(gen.prompt_tokens, started, load_s, tuple(gen.prompt), gen.echo)
             frames = encoder.begin(begin)
             if transport is not None and frames:

@@ -21,7 +21,7 @@ from barrel.http.codecs import ollama as codec
 from barrel.http.generate import NdjsonTransport, conversation_of, serve
 from barrel.http.keys import CONFIG, MODELS
 from barrel.http.limits import check_limits
-from barrel.pipeline.request import GenerateRequest
+from barrel.pipeline.request import ApiRequest
 
 logger = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -87,9 +87,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await _generate(request, req, chat=False)
 
 
-async def _generate(
-    request: web.Request, req: GenerateRequest, *, chat: bool
-) -> web.StreamResponse:
+async def _generate(request: web.Request, req: ApiRequest, *, chat: bool) -> web.StreamResponse:
     if not req.messages:
         return await _lifecycle_only(request, req.model, req.keep_alive)
     transport = NdjsonTransport(request) if req.stream else None

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from barrel.http.codecs import openai_completions as codec
 from barrel.http.generate import SseTransport, serve
-from barrel.http.openai_common import decode, unqueued
+from barrel.http.plain_routes import decode, unqueued
 
 routes = web.RouteTableDef()
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from barrel.errors import InvalidRequest, NotFound
 from barrel.http.keys import CONFIG, MODELS
 from barrel.http.ollama_gen import shorten_embedding
-from barrel.http.openai_common import decode
+from barrel.http.plain_routes import decode
 
 routes = web.RouteTableDef()
 

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from barrel.errors import InvalidRequest
 from barrel.http.keys import CONFIG, MODELS
-from barrel.http.openai_common import decode
+from barrel.http.plain_routes import decode
 
 routes = web.RouteTableDef()
 

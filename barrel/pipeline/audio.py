@@ -28,7 +28,7 @@ import msgspec
 
 from barrel.config import LimitsConfig
 from barrel.errors import InvalidRequest
-from barrel.pipeline.request import AudioPart, GenerateRequest, Message
+from barrel.pipeline.request import ApiRequest, AudioPart, Message
 
 REFUSAL = "this model does not read audio"
 FORMATS = ("wav", "mp3", "flac")
@@ -46,11 +46,11 @@ class Clip:
     seconds: float
 
 
-def count(req: GenerateRequest) -> int:
+def count(req: ApiRequest) -> int:
     return sum(len(m.audio) for m in req.messages)
 
 
-def check(req: GenerateRequest, limits: LimitsConfig) -> None:
+def check(req: ApiRequest, limits: LimitsConfig) -> None:
     """Refusals that need no model (before any lease); the clips themselves are read by
     `load`, once the model is known to take audio."""
     n = count(req)
@@ -299,7 +299,7 @@ def ready(clip: AudioPart, limits: LimitsConfig) -> tuple[AudioPart, Clip]:
     return AudioPart(data=data, format=info.format, digest=digest), info
 
 
-async def load(req: GenerateRequest, limits: LimitsConfig) -> GenerateRequest:
+async def load(req: ApiRequest, limits: LimitsConfig) -> ApiRequest:
     """`req` with every clip's bytes decoded, bounded and hashed, off the event loop."""
     if not count(req):
         return req

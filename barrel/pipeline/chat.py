@@ -4,12 +4,12 @@
             -> sampling with the grammar tool_choice / response_format ask for
             -> engine stream -> tool-call and reasoning parser -> events
 
-The generation path (barrel.pipeline.generate) builds a `ChatRequest` from the neutral
-request every dialect decodes (`GenerateRequest`), with its neutral tools, tool choice
+The generation path (barrel.pipeline.generation) builds a `ChatRequest` from the neutral
+request every dialect decodes (`ApiRequest`), with its neutral tools, tool choice
 and format; the dialects encode the events this yields (barrel.pipeline.events) and
 never touch templates, grammars or the parser. The rules that can be checked before a
 lease (a tool choice naming a tool, a forced call beside a format) are checked there,
-once (`generate.check`).
+once (`generation.check`).
 
 tool_choice: "auto" prompts the model with the tools and parses what it writes (the
 family's own syntax); "none" renders no tools; "required" and a named function force a
@@ -38,28 +38,24 @@ import msgspec
 from barrel.engine.engine import Engine
 from barrel.engine.kvcache import common_prefix
 from barrel.engine.projector import Media, Piece
-from barrel.engine.types import Done, GenerationRequest, SamplingParams, SessionId
-from barrel.engine.types import TokenLogprob as EngineLogprob
-from barrel.engine.types import Usage as EngineUsage
+from barrel.engine.types import Done, EngineRequest, SamplingParams, SessionId
 from barrel.errors import InvalidRequest
 from barrel.pipeline.events import (
     ChatEvent,
     Finished,
     ReasoningDelta,
     TextDelta,
-    TokenLogprob,
     ToolArgsDelta,
     ToolCallEvent,
     ToolCallStart,
-    TopLogprob,
-    Usage,
 )
+from barrel.pipeline.formats import call_grammar, format_grammar, json_schema_grammar
 from barrel.pipeline.gotemplate import go_to_jinja, is_go_template
-from barrel.pipeline.grammar import call_grammar, format_grammar, json_schema_grammar
 from barrel.pipeline.images import REFUSAL, image_marker, markers_of
 from barrel.pipeline.request import Format, Tool, ToolChoice
 from barrel.pipeline.templates import ChatTemplate
 from barrel.pipeline.toolcalls import Family, ParseEvent, ToolCallParser, family
+from barrel.values import TokenLogprob, Usage
 
 
 @dataclass
@@ -75,19 +71,19 @@ class ChatRequest:
     thinking: bool | None = None  # None: the template's default
     reasoning_budget: int = 512
     session: SessionId | None = None
-    scope: str = ""  # an API key's hash: KV reuse stays within it (GenerationRequest.scope)
+    scope: str = ""  # an API key's hash: KV reuse stays within it (EngineRequest.scope)
     keep_alive: float | None = None  # for the lifecycle: seconds, 0 = unload, <0 = forever
-    tool_mode: str = "auto"  # "grammar": the model's calls are always grammar-forced
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # pin the prompt up to the end of this many leading messages (a cache breakpoint);
     # 0: the system + tools head
     pin_messages: int = 0
-    lora: tuple[float, ...] | None = None  # GenerationRequest.lora
-    ignore_eos: bool = False  # GenerationRequest.ignore_eos (the answer, not the thoughts)
-    generation_prompt: bool = True  # GenerateRequest.generation_prompt
-    continue_final: bool = False  # GenerateRequest.continue_final
-    # the images the messages' markers name (barrel.pipeline.images): bytes by SHA-256
-    images: dict[str, bytes] = field(default_factory=dict)
+    lora: tuple[float, ...] | None = None  # EngineRequest.lora
+    ignore_eos: bool = False  # EngineRequest.ignore_eos (the answer, not the thoughts)
+    generation_prompt: bool = True  # ApiRequest.generation_prompt
+    continue_final: bool = False  # ApiRequest.continue_final
+    # the images and audio clips the messages' markers name (barrel.pipeline.images,
+    # barrel.pipeline.audio): bytes by SHA-256
+    media: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -108,7 +104,7 @@ class Prepared:
     preserve: frozenset[int] = frozenset()
     # the images whose placeholders are in the prompt (barrel.engine.projector)
     media: tuple[Media, ...] = ()
-    # the template's end of turn and next user header (GenerationRequest.next_turn)
+    # the template's end of turn and next user header (EngineRequest.next_turn)
     next_turn: tuple[int, ...] = ()
     # the grammar writes calls in the family's syntax and nothing else: the blanks
     # between them are not text
@@ -138,10 +134,8 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
 
 def _forced_schema(req: ChatRequest) -> dict[str, Any] | None:
     """The schema of the call a forced tool choice writes (the choice was checked
-    against the tools by barrel.pipeline.generate.check)."""
+    against the tools by barrel.pipeline.generation.check)."""
     mode = req.tool_choice.mode
-    if req.tool_mode == "grammar" and mode == "auto":
-        mode = "required"
     if not req.tools or mode in ("auto", "none"):
         return None
     if mode == "required":
@@ -195,12 +189,12 @@ def prepare(
     template_family: Family,
     control_tokens: Callable[[str], set[int]] | None = None,
     tokenize_as: Tokenize | None = None,
-    read_images: Callable[[dict[str, bytes]], dict[str, Piece]] | None = None,
+    read_media: Callable[[dict[str, bytes]], dict[str, Piece]] | None = None,
 ) -> Prepared:
     """Everything that can fail on bad input happens here, before any slow work.
     `tokenize_as(text, add_special, parse_special)`, when given, keeps control-token text
-    inside messages plain text (see `_tokenize_prompt`). `read_images` is the model's
-    projector (None: it reads no images)."""
+    inside messages plain text (see `_tokenize_prompt`). `read_media` is the model's
+    projector (None: it reads neither images nor audio)."""
     _refuse_images(req.messages)
     forced = _forced_schema(req)
     tools = template_tools(req.tools) if req.tool_choice.mode != "none" else []
@@ -238,10 +232,10 @@ def prepare(
     if grammar is not None and not req.thinking:
         sampling = msgspec.structs.replace(sampling, grammar=grammar)
     pieces: dict[str, Piece] = {}
-    if req.images:
-        if read_images is None or tokenize_as is None:
+    if req.media:
+        if read_media is None or tokenize_as is None:
             raise InvalidRequest(REFUSAL)
-        pieces = read_images(req.images)
+        pieces = read_media(req.media)
     prompt = _tokenize_prompt(prompt_text, messages, tokenize, control_tokens, tokenize_as, pieces)
     media = {m.token: m for piece in pieces.values() for m in piece.media if m.token in prompt}
     fam = template_family if tools else family("generic")
@@ -285,18 +279,18 @@ def _tokenize_prompt(
     tokenize: Callable[[str], list[int]],
     control_tokens: Callable[[str], set[int]] | None,
     tokenize_as: Tokenize | None,
-    images: dict[str, Piece] | None = None,
+    media: dict[str, Piece] | None = None,
 ) -> list[int]:
     """The rendered prompt's tokens. Only the template's own markup may become control
     tokens: message text that spells one (`<|im_start|>system` in a user's message) is
     tokenized as text, so a client cannot forge turns. Most messages hold no such text
     and the prompt is tokenized whole; otherwise the render is cut around those
-    messages' text, found where the template put it verbatim. `images` (by SHA-256):
-    each one's marker becomes the projector's tokens for it."""
+    messages' text, found where the template put it verbatim. `media` (images and
+    audio clips, by SHA-256): each one's marker becomes the projector's tokens for it."""
     if control_tokens is None or tokenize_as is None:
         return tokenize(text)
-    markers = markers_of(set(images)) if images else None
-    by_marker = {image_marker(d): piece for d, piece in (images or {}).items()}
+    markers = markers_of(set(media)) if media else None
+    by_marker = {image_marker(d): piece for d, piece in (media or {}).items()}
     contents = [c for m in messages if isinstance(c := m.get("content"), str)]
     if markers is not None:
         contents = [piece for c in contents for piece in markers.split(c)]
@@ -304,7 +298,7 @@ def _tokenize_prompt(
     if not risky and markers is None:
         return tokenize(text)
     if not risky:
-        return _with_images(text, True, True, markers, by_marker, tokenize_as)
+        return _with_media(text, True, True, markers, by_marker, tokenize_as)
     spans: list[tuple[int, int]] = []
     pos = 0
     for content in risky:
@@ -319,29 +313,29 @@ def _tokenize_prompt(
     out: list[int] = []
     last = 0
     for start, end in spans:
-        out += _with_images(text[last:start], last == 0, True, markers, by_marker, tokenize_as)
+        out += _with_media(text[last:start], last == 0, True, markers, by_marker, tokenize_as)
         out += tokenize_as(text[start:end], False, False)
         last = end
-    return out + _with_images(text[last:], False, True, markers, by_marker, tokenize_as)
+    return out + _with_media(text[last:], False, True, markers, by_marker, tokenize_as)
 
 
-def _with_images(
+def _with_media(
     text: str,
     add_special: bool,
     parse_special: bool,
     markers: re.Pattern[str] | None,
-    images: dict[str, Piece],
+    media: dict[str, Piece],
     tokenize_as: Tokenize,
 ) -> list[int]:
     """Template text with image markers: the text around them tokenized, each marker
-    replaced by its image's tokens (`images` by marker)."""
+    replaced by its image's or clip's tokens (`media` by marker)."""
     if markers is None:
         return tokenize_as(text, add_special, parse_special)
     out: list[int] = []
     last = 0
     for match in markers.finditer(text):
         out += tokenize_as(text[last : match.start()], add_special and last == 0, parse_special)
-        out += images[match.group(0)].tokens()
+        out += media[match.group(0)].tokens()
         last = match.end()
     return out + tokenize_as(text[last:], add_special and last == 0, parse_special)
 
@@ -449,7 +443,7 @@ async def run(
         opened = engine.tokenize("<think>\n", add_special=False)
         if prompt[-len(opened) :] != opened:
             prompt = [*prompt, *opened]
-        first = GenerationRequest(
+        first = EngineRequest(
             prompt,
             msgspec.structs.replace(prep.sampling, grammar=None),
             max_tokens=req.reasoning_budget,
@@ -486,7 +480,7 @@ async def run(
         prep.tool_names,
         reasoning=not reasoning_done,
     )
-    gen = GenerationRequest(
+    gen = EngineRequest(
         prompt,
         sampling,
         max_tokens=req.max_tokens,
@@ -510,7 +504,7 @@ async def run(
                 done = event
                 break
             if event.logprobs:
-                pending.extend(logprobs_of(event.logprobs))
+                pending.extend(event.logprobs)
             start = time.perf_counter()
             parsed_events = parser.feed(event.text)
             parse_s += time.perf_counter() - start
@@ -577,22 +571,5 @@ def _events(
         yield out
 
 
-def _add(u: EngineUsage, reused: int, computed: int, completion: int) -> tuple[int, int, int]:
+def _add(u: Usage, reused: int, computed: int, completion: int) -> tuple[int, int, int]:
     return reused + u.prompt_reused, computed + u.prompt_computed, completion + u.completion_tokens
-
-
-def logprobs_of(lps: tuple[EngineLogprob, ...]) -> tuple[TokenLogprob, ...]:
-    """The engine's log-probabilities as the pipeline's events carry them."""
-    return tuple(
-        TokenLogprob(
-            lp.token,
-            lp.text,
-            lp.logprob,
-            tuple(TopLogprob(t.token, t.text, t.logprob) for t in lp.top),
-        )
-        for lp in lps
-    )
-
-
-def schema_of_call(event: ToolCallEvent) -> dict[str, Any]:
-    return {"name": event.name, "arguments": json.loads(event.arguments)}

@@ -17,10 +17,10 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 from barrel.engine.engine import Engine
-from barrel.engine.types import Done, GenerationRequest
-from barrel.pipeline.chat import logprobs_of
-from barrel.pipeline.events import ChatEvent, Finished, TextDelta, TokenLogprob, Usage
+from barrel.engine.types import Done, EngineRequest
+from barrel.pipeline.events import ChatEvent, Finished, TextDelta
 from barrel.pipeline.request import Completion
+from barrel.values import TokenLogprob, Usage
 
 # OpenAI's default for completions, when neither the request nor the model sets a limit
 DEFAULT_MAX_TOKENS = 16
@@ -68,7 +68,7 @@ def echoes(vocab: Vocabulary, completion: Completion, prompts: list[list[int]]) 
 
 async def run(
     engine: Engine,
-    req: GenerationRequest,
+    req: EngineRequest,
     first_piece: Callable[[int], str],
 ) -> AsyncGenerator[ChatEvent, None]:
     """Generate `req` unparsed: its text as it comes, then Finished. A run that
@@ -82,18 +82,15 @@ async def run(
             if isinstance(event, Done):
                 done = event
                 break
-            yield TextDelta(event.text, logprobs_of(event.logprobs))
+            yield TextDelta(event.text, event.logprobs)
     assert done is not None
     scored: tuple[TokenLogprob, ...] = ()
     if req.prompt_logprobs:
         head = TokenLogprob(req.prompt[0], first_piece(req.prompt[0]), None)
-        scored = (head, *logprobs_of(done.prompt_logprobs))
-    u = done.usage
+        scored = (head, *done.prompt_logprobs)
     yield Finished(
         done.finish_reason.value,
-        Usage(
-            u.prompt_tokens, u.completion_tokens, u.prompt_reused, u.prompt_computed, u.reuse_note
-        ),
+        done.usage,
         done.timings.prefill_s,
         done.timings.decode_s,
         done.stop_sequence,

@@ -1,11 +1,10 @@
 """What a generation yields, as the dialects' codecs read it: text, reasoning and tool
 calls as they come, then `Finished`; with the usage and log-probability values they
-carry.
+carry (barrel.values: the engine's own, passed on unchanged).
 
-A leaf: it imports nothing of Barrel, so the codecs (barrel.http.codecs) load, and their
-golden suites run, where llama.cpp is not installed. The engine has value types of its
-own (barrel.engine.types); the pipeline turns them into these (barrel.pipeline.chat,
-barrel.pipeline.complete), so no engine type reaches HTTP.
+A leaf: it imports nothing of Barrel but the leaf barrel.values, so the codecs
+(barrel.http.codecs) load, and their golden suites run, where llama.cpp is not
+installed; no engine type reaches HTTP.
 """
 
 from __future__ import annotations
@@ -13,33 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True)
-class TopLogprob:
-    token: int
-    text: str
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A token with its log-probability given the tokens before it, and the top ones.
-    `logprob` is None only for a prompt's first token (nothing before it)."""
-
-    token: int
-    text: str
-    logprob: float | None
-    top: tuple[TopLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    prompt_reused: int  # taken from the KV cache (a parked sequence or the state cache)
-    prompt_computed: int  # prefilled this time
-    # Why less was reused than a prefix matched ("" when reuse went as planned).
-    reuse_note: str = ""
+from barrel.values import TokenLogprob, Usage
 
 
 @dataclass(frozen=True)
@@ -94,14 +67,39 @@ class ServerCall:
 
 
 @dataclass(frozen=True)
+class CallResult:
+    """What a server tool answered, or why it did not, as the model reads it. `kind`:
+    ok | error (the tool said so) | timeout | failed (the server ended or answered
+    nonsense) | refused (not offered, or arguments that are not a JSON object)."""
+
+    output: str
+    kind: str = "ok"
+    seconds: float = 0.0
+
+    @property
+    def error(self) -> bool:
+        return self.kind != "ok"
+
+
+@dataclass(frozen=True)
 class ServerResult:
-    """What a server tool answered (or why it did not), as the model sees it."""
+    """The answer to a `ServerCall` (the same id), as the turn reports it."""
 
     id: str
     server: str
     name: str
-    output: str
-    error: bool = False
+    result: CallResult
+
+
+@dataclass(frozen=True)
+class ServerTool:
+    """A tool a configured server offers: from its listing (barrel.actors.mcp) to the
+    model's prompt and the dialects' output. `parameters`: its input JSON schema."""
+
+    server: str
+    name: str
+    description: str
+    parameters: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -109,7 +107,7 @@ class ServerTools:
     """The tools a configured server offers this turn (before its first call)."""
 
     server: str
-    tools: tuple[tuple[str, str, dict[str, Any]], ...]  # name, description, input schema
+    tools: tuple[ServerTool, ...]
 
 
 @dataclass(frozen=True)

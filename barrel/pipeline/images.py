@@ -28,7 +28,7 @@ import msgspec
 
 from barrel.config import LimitsConfig
 from barrel.errors import InvalidRequest
-from barrel.pipeline.request import AudioPart, GenerateRequest, ImagePart, Message
+from barrel.pipeline.request import ApiRequest, AudioPart, ImagePart, Message
 
 Fetch = Callable[[str, int], Awaitable[bytes]]
 
@@ -55,11 +55,11 @@ def markers_of(digests: set[str]) -> re.Pattern[str]:
     return re.compile("|".join(re.escape(image_marker(d)) for d in sorted(digests)))
 
 
-def count(req: GenerateRequest) -> int:
+def count(req: ApiRequest) -> int:
     return sum(len(m.images) for m in req.messages)
 
 
-def check(req: GenerateRequest, limits: LimitsConfig) -> None:
+def check(req: ApiRequest, limits: LimitsConfig) -> None:
     """Refusals that need no model (before any lease); the images themselves are read
     by `load`, after the model is known to take them."""
     n = count(req)
@@ -163,7 +163,7 @@ def _ready(image: ImagePart, data: bytes, limits: LimitsConfig) -> ImagePart:
     return ImagePart(data=data, media_type=image.media_type, digest=digest_of(data))
 
 
-async def load(req: GenerateRequest, limits: LimitsConfig, fetch: Fetch) -> GenerateRequest:
+async def load(req: ApiRequest, limits: LimitsConfig, fetch: Fetch) -> ApiRequest:
     """`req` with every image's bytes in hand (URLs decoded or fetched) and hashed; the
     decoding and hashing (megabytes) run off the event loop."""
     if not count(req):

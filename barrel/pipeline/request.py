@@ -1,6 +1,6 @@
 """The neutral request every dialect's codec decodes into: frozen msgspec structs, with
 content parts as a tagged union (text and images), and no dialect-shaped dicts inside.
-`barrel.pipeline.generate` turns one into a generation. A leaf: it imports nothing of
+`barrel.pipeline.generation` turns one into a generation. A leaf: it imports nothing of
 Barrel, so the codecs load without llama.cpp.
 """
 
@@ -108,7 +108,7 @@ class ToolChoice(msgspec.Struct, frozen=True):
 class Format(msgspec.Struct, frozen=True):
     """The answer's shape: free text, any JSON object, JSON matching `schema`, text
     matching the regular expression `text`, one of `choices`, or the Lark or GBNF
-    grammar `text` (barrel.pipeline.grammar)."""
+    grammar `text` (barrel.pipeline.formats)."""
 
     kind: Literal["text", "json_object", "json_schema", "regex", "choice", "grammar"] = "text"
     schema: dict[str, Any] | None = None
@@ -179,7 +179,7 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: bool = False  # score the prompt: each token's logprob (with echo)
 
 
-class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+class ApiRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     dialect: Dialect
     messages: tuple[Message, ...]

@@ -35,37 +35,20 @@ from barrel.engine.errors import PromptTooLong
 from barrel.pipeline import chat as chat_turn
 from barrel.pipeline.chat import ChatRequest, Prepared
 from barrel.pipeline.events import (
+    CallResult,
     ChatEvent,
     Finished,
     ServerCall,
     ServerResult,
+    ServerTool,
     ServerTools,
     TextDelta,
     ToolArgsDelta,
     ToolCallEvent,
     ToolCallStart,
-    Usage,
 )
-from barrel.pipeline.request import Tool, ToolChoice
-
-
-@dataclass(frozen=True)
-class ServerTool:
-    server: str
-    name: str
-    description: str
-    parameters: dict[str, Any]
-
-    def as_tool(self) -> Tool:
-        return Tool(self.name, self.description, self.parameters or {"type": "object"})
-
-
-@dataclass(frozen=True)
-class CallResult:
-    output: str
-    error: bool
-    kind: str  # ok | error | timeout | failed | refused
-    seconds: float
+from barrel.pipeline.request import ToolChoice
+from barrel.values import Usage
 
 
 class Toolbox(Protocol):
@@ -108,7 +91,7 @@ async def run(
     for tool in toolbox.tools:
         servers.setdefault(tool.server, []).append(tool)
     for server, tools in servers.items():
-        yield ServerTools(server, tuple((t.name, t.description, t.parameters) for t in tools))
+        yield ServerTools(server, tuple(tools))
     held: list[ChatEvent] = []
     reused = computed = completion = 0
     prompts = 0
@@ -152,7 +135,7 @@ async def run(
         results = await asyncio.gather(*(_call(toolbox, by_name, c) for c in turn.server))
         for call, result in zip(turn.server, results, strict=True):
             tool = by_name[call.name]
-            yield ServerResult(call.id, tool.server, call.name, result.output, result.error)
+            yield ServerResult(call.id, tool.server, call.name, result)
         chat = _continued(chat, turn, results)
         prep = await render(chat)
 
@@ -231,7 +214,7 @@ async def _call(
 ) -> CallResult:
     arguments = _arguments(call)
     if arguments is None:
-        return CallResult("the arguments are not a JSON object", True, "refused", 0.0)
+        return CallResult("the arguments are not a JSON object", "refused")
     return await toolbox.call(by_name[call.name], arguments)
 
 

@@ -192,7 +192,7 @@ class ChatTemplate:
         """The text the template puts between an assistant's answer and the next user's
         words (ChatML: `<|im_end|>\n<|im_start|>user\n`); "" when the template does not
         render such a conversation plainly. The engine prefills it into a finished
-        sequence while idle (GenerationRequest.next_turn)."""
+        sequence while idle (EngineRequest.next_turn)."""
         answer, question = "BarrelProbeAnswer", "BarrelProbeQuestion"
         turns = [_PROBE_USER, {"role": "assistant", "content": answer}]
         try:

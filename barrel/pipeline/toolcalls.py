@@ -41,14 +41,6 @@ def new_call_id() -> str:
 # -- body parsers: captured region -> calls (ValueError if it is not one) ------------
 
 
-def _loads(text: str) -> Any:
-    text = text.strip()
-    fence = re.match(r"^```(?:json)?\s*(.*?)\s*```$", text, re.S)
-    if fence:
-        text = fence.group(1)
-    return json.loads(text)
-
-
 def _call_of(obj: Any) -> Call:
     if not isinstance(obj, dict):
         raise ValueError("a call is a JSON object")

@@ -6,7 +6,8 @@ import json
 from typing import Any
 
 from barrel.http.codecs import Comment, Data, EndMarker, Frame, Stamp
-from barrel.pipeline.events import Finished, TokenLogprob, Usage
+from barrel.pipeline.events import Finished
+from barrel.values import TokenLogprob, Usage
 
 NOW = 1_700_000_000.25
 

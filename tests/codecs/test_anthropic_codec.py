@@ -11,6 +11,7 @@ from barrel.errors import InvalidRequest, Unavailable
 from barrel.http.codecs import Begin
 from barrel.http.codecs import anthropic as codec
 from barrel.pipeline.events import (
+    CallResult,
     ReasoningDelta,
     ServerCall,
     ServerResult,
@@ -240,7 +241,7 @@ def test_the_mcp_connector_names_servers_and_its_blocks_round_trip() -> None:
     enc = codec.MessagesEncoder(req, stamp())
     frames = [
         *enc.feed(0, ServerCall("c1", "w", "get_weather", '{"city": "Oslo"}')),
-        *enc.feed(0, ServerResult("c1", "w", "get_weather", "Sunny", error=False)),
+        *enc.feed(0, ServerResult("c1", "w", "get_weather", CallResult("Sunny"))),
         *enc.feed(0, TextDelta("Sunny.")),
         *enc.feed(0, finished()),
     ]

@@ -7,8 +7,9 @@ import pytest
 from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import Begin
 from barrel.http.codecs import openai_completions as codec
-from barrel.pipeline.events import Finished, TextDelta, TokenLogprob, TopLogprob, Usage
+from barrel.pipeline.events import Finished, TextDelta
 from barrel.pipeline.request import Completion, Dialect, Options
+from barrel.values import TokenLogprob, TopLogprob, Usage
 from tests.codecs.golden import body, lp, stamp, wire
 
 HEAD = {

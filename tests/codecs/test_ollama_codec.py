@@ -10,6 +10,7 @@ from barrel.errors import InvalidRequest, Unavailable
 from barrel.http.codecs import Begin
 from barrel.http.codecs import ollama as codec
 from barrel.pipeline.events import (
+    CallResult,
     ReasoningDelta,
     ServerCall,
     ServerResult,
@@ -151,7 +152,7 @@ def test_api_chat_names_tool_servers_and_returns_their_calls() -> None:
     enc.begin(Begin(5, s.perf(), 0.0))
     lines = [
         *enc.feed(0, ServerCall("c1", "w", "get_weather", "{}")),
-        *enc.feed(0, ServerResult("c1", "w", "get_weather", "no such city", error=True)),
+        *enc.feed(0, ServerResult("c1", "w", "get_weather", CallResult("no such city", "error"))),
         *enc.feed(0, finished()),
     ]
     record = {

@@ -15,8 +15,9 @@ from barrel.http.codecs import Data
 from barrel.http.codecs import openai_audio as codec
 from barrel.http.codecs.openai_chat import parts_of
 from barrel.pipeline import audio
-from barrel.pipeline.events import Finished, TextDelta, Usage
+from barrel.pipeline.events import Finished, TextDelta
 from barrel.pipeline.request import AudioPart
+from barrel.values import Usage
 from tests.sounds import flac, flac_bomb, tone_wav, wav_declaring
 
 

@@ -10,6 +10,7 @@ from barrel.errors import BarrelError, InvalidRequest, Unavailable
 from barrel.http.codecs import Begin
 from barrel.http.codecs import openai_chat as codec
 from barrel.pipeline.events import (
+    CallResult,
     ReasoningDelta,
     ServerCall,
     ServerResult,
@@ -266,7 +267,7 @@ def test_barrel_s_mcp_servers_field_and_the_server_calls_it_returns() -> None:
     enc = codec.encoder(req, b, stamp())
     frames = [
         *enc.feed(0, ServerCall("c1", "w", "get_weather", '{"city": "Oslo"}')),
-        *enc.feed(0, ServerResult("c1", "w", "get_weather", "Sunny")),
+        *enc.feed(0, ServerResult("c1", "w", "get_weather", CallResult("Sunny"))),
         *enc.feed(0, TextDelta("Sunny.")),
         *enc.feed(0, finished()),
     ]

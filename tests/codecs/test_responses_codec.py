@@ -8,9 +8,11 @@ from barrel.errors import InvalidRequest
 from barrel.http.codecs import Begin
 from barrel.http.codecs import openai_responses as codec
 from barrel.pipeline.events import (
+    CallResult,
     ReasoningDelta,
     ServerCall,
     ServerResult,
+    ServerTool,
     ServerTools,
     TextDelta,
     ToolCallEvent,
@@ -156,10 +158,13 @@ def test_mcp_tools_name_servers_and_mcp_items_round_trip_as_calls_and_results() 
     enc = codec.ResponsesEncoder(req, b, stamp())
     enc.begin(Begin(5, 0.0, 0.0))
     frames = [
-        *enc.feed(0, ServerTools("w", (("get_weather", "The weather.", {"type": "object"}),))),
+        *enc.feed(
+            0,
+            ServerTools("w", (ServerTool("w", "get_weather", "The weather.", {"type": "object"}),)),
+        ),
         *enc.feed(0, TextDelta("Let me see. ")),
         *enc.feed(0, ServerCall("c1", "w", "get_weather", '{"city": "Oslo"}')),
-        *enc.feed(0, ServerResult("c1", "w", "get_weather", "Sunny")),
+        *enc.feed(0, ServerResult("c1", "w", "get_weather", CallResult("Sunny"))),
         *enc.feed(0, TextDelta("Sunny in Oslo.")),
         *enc.feed(0, finished()),
     ]

@@ -34,11 +34,10 @@ from barrel.pipeline.events import (
     ToolArgsDelta,
     ToolCallEvent,
     ToolCallStart,
-    Usage,
 )
 from barrel.pipeline.request import (
+    ApiRequest,
     Dialect,
-    GenerateRequest,
     ImagePart,
     Message,
     Options,
@@ -49,6 +48,7 @@ from barrel.pipeline.request import (
     ToolChoice,
     text,
 )
+from barrel.values import Usage
 
 
 class MessagesBody(msgspec.Struct, kw_only=True):
@@ -281,7 +281,7 @@ def _thinking(value: dict[str, Any] | None, max_tokens: int | None) -> tuple[boo
 
 def decode(
     raw: bytes, *, counting: bool, conversation: str | None = None
-) -> tuple[GenerateRequest, MessagesBody]:
+) -> tuple[ApiRequest, MessagesBody]:
     """Everything that can be checked without the model, before any queueing or
     loading (count_tokens needs no max_tokens); and the body, for the encoder."""
     try:
@@ -311,7 +311,7 @@ def decode(
         repeat_penalty=body.repeat_penalty,
         seed=body.seed,
     )
-    return GenerateRequest(
+    return ApiRequest(
         model=body.model,
         dialect=Dialect.ANTHROPIC,
         messages=messages,
@@ -377,7 +377,7 @@ class MessagesEncoder:
     """The message and its content blocks, built as events come; a stream opens and
     closes blocks as the kind of delta changes."""
 
-    def __init__(self, req: GenerateRequest, stamp: Stamp = STAMP) -> None:
+    def __init__(self, req: ApiRequest, stamp: Stamp = STAMP) -> None:
         self.message: dict[str, Any] = {
             "id": stamp.ids("msg_"),
             "type": "message",
@@ -481,8 +481,8 @@ class MessagesEncoder:
                 {
                     "type": "mcp_tool_result",
                     "tool_use_id": _server_id(event.id),
-                    "is_error": event.error,
-                    "content": [{"type": "text", "text": event.output}],
+                    "is_error": event.result.error,
+                    "content": [{"type": "text", "text": event.result.output}],
                 }
             )
             out += self._close()

@@ -6,7 +6,7 @@ Anthropic's `output_config.format` (and its beta `output_format`).
 
 A request names at most one of them; none is ever ignored: what cannot be read is a 400
 naming the field. Whether the grammar compiles is the pipeline's question
-(barrel.pipeline.grammar)."""
+(barrel.pipeline.formats)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
@@ -27,13 +27,12 @@ from barrel.pipeline.events import (
     ServerCall,
     ServerResult,
     TextDelta,
-    TokenLogprob,
     ToolCallEvent,
 )
 from barrel.pipeline.request import (
+    ApiRequest,
     Dialect,
     Format,
-    GenerateRequest,
     ImagePart,
     Message,
     Options,
@@ -44,6 +43,7 @@ from barrel.pipeline.request import (
     ToolCall,
     text,
 )
+from barrel.values import LoadedModel, TokenLogprob
 
 MAX_TOP_LOGPROBS = 20
 EFFORTS = ("low", "medium", "high")
@@ -132,30 +132,7 @@ def decode_create(raw: bytes) -> CreateBody:
     return body
 
 
-class Loaded(Protocol):
-    """A loaded model as the daemon reports it (barrel.actors.lifecycle.LoadedModel)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def digest(self) -> str: ...
-    @property
-    def details(self) -> dict[str, Any]: ...
-    @property
-    def expires_at(self) -> float | None: ...
-    @property
-    def context_length(self) -> int: ...
-    @property
-    def active(self) -> int: ...
-    @property
-    def running(self) -> int: ...
-    @property
-    def queued(self) -> int: ...
-
-
-def ps_model(m: Loaded) -> dict[str, Any]:
+def ps_model(m: LoadedModel) -> dict[str, Any]:
     """One entry of /api/ps: Ollama's fields, then Barrel's (active, running, queued)."""
     expires = m.expires_at
     return {
@@ -276,12 +253,12 @@ def _tools(raw: list[dict[str, Any]]) -> tuple[Tool, ...]:
     return tuple(out)
 
 
-def _common(body: _Body, messages: tuple[Message, ...], **more: Any) -> GenerateRequest:
+def _common(body: _Body, messages: tuple[Message, ...], **more: Any) -> ApiRequest:
     thinking, effort = _think(body.think)
     if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
     logprobs = body.top_logprobs if body.logprobs else None
-    return GenerateRequest(
+    return ApiRequest(
         model=body.model,
         dialect=Dialect.OLLAMA,
         messages=messages,
@@ -296,7 +273,7 @@ def _common(body: _Body, messages: tuple[Message, ...], **more: Any) -> Generate
     )
 
 
-def decode_chat(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest, ChatBody]:
+def decode_chat(raw: bytes, conversation: str | None = None) -> tuple[ApiRequest, ChatBody]:
     """/api/chat; no messages means load (or, with keep_alive 0, unload) the model."""
     body: ChatBody = decode_body(raw, ChatBody)
     req = _common(
@@ -309,9 +286,7 @@ def decode_chat(raw: bytes, conversation: str | None = None) -> tuple[GenerateRe
     return req, body
 
 
-def decode_generate(
-    raw: bytes, conversation: str | None = None
-) -> tuple[GenerateRequest, GenerateBody]:
+def decode_generate(raw: bytes, conversation: str | None = None) -> tuple[ApiRequest, GenerateBody]:
     """/api/generate; no prompt (and no suffix) means load or unload the model."""
     body: GenerateBody = decode_body(raw, GenerateBody)
     if not body.prompt and not body.suffix:
@@ -357,7 +332,7 @@ def _call(event: ToolCallEvent) -> dict[str, Any]:
 
 
 class OllamaEncoder:
-    def __init__(self, req: GenerateRequest, *, chat: bool, stamp: Stamp = STAMP) -> None:
+    def __init__(self, req: ApiRequest, *, chat: bool, stamp: Stamp = STAMP) -> None:
         self.name = req.model
         self.chat = chat
         self.stamp = stamp

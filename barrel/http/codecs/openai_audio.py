@@ -18,7 +18,7 @@ from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import Begin, Data, Frame
 from barrel.http.codecs.openai_common import error_frame, progress
 from barrel.pipeline.events import ChatEvent, Finished, TextDelta
-from barrel.pipeline.request import AudioPart, Dialect, GenerateRequest, Message, Options, TextPart
+from barrel.pipeline.request import ApiRequest, AudioPart, Dialect, Message, Options, TextPart
 
 Task = Literal["transcribe", "translate"]
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
@@ -109,9 +109,9 @@ def instruction(form: Form) -> str:
     return text + "\nAnswer with the text only."
 
 
-def request(form: Form, clip: AudioPart, conversation: str | None) -> GenerateRequest:
+def request(form: Form, clip: AudioPart, conversation: str | None) -> ApiRequest:
     options = Options() if form.temperature is None else Options(temperature=form.temperature)
-    return GenerateRequest(
+    return ApiRequest(
         model=form.model,
         dialect=Dialect.OPENAI,
         messages=(Message(role="user", parts=(clip, TextPart(instruction(form)))),),

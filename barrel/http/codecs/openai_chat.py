@@ -45,16 +45,14 @@ from barrel.pipeline.events import (
     ServerCall,
     ServerResult,
     TextDelta,
-    TokenLogprob,
     ToolArgsDelta,
     ToolCallEvent,
     ToolCallStart,
-    Usage,
 )
 from barrel.pipeline.request import (
+    ApiRequest,
     AudioPart,
     Dialect,
-    GenerateRequest,
     ImagePart,
     Message,
     Part,
@@ -63,11 +61,12 @@ from barrel.pipeline.request import (
     ToolCall,
     ToolChoice,
 )
+from barrel.values import TokenLogprob, Usage
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
-class ChatBody(Knobs, kw_only=True):
+class ChatCompletionBody(Knobs, kw_only=True):
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
@@ -230,7 +229,7 @@ def to_tools(tools: list[dict[str, Any]]) -> tuple[Tool, ...]:
 def tool_choice_of(choice: Any, *, nested: bool = True) -> ToolChoice:
     """auto, none, required or a function: `{"type": "function", "function": {"name"}}`
     (chat completions), or with the name beside the type (`nested=False`, responses).
-    Whether the function is among the tools is the pipeline's rule (generate.check)."""
+    Whether the function is among the tools is the pipeline's rule (generation.check)."""
     if choice is None:
         return ToolChoice()
     if choice in ("auto", "none", "required"):
@@ -245,11 +244,11 @@ def tool_choice_of(choice: Any, *, nested: bool = True) -> ToolChoice:
     )
 
 
-def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest, ChatBody]:
+def decode(raw: bytes, conversation: str | None = None) -> tuple[ApiRequest, ChatCompletionBody]:
     """Everything that can be checked without the model, before queueing or loading; and
     the body, for the encoder. `conversation` is the session header (x-conversation-id, x-session-id
     or x-smg-routing-key), if sent."""
-    body = decode_json(raw, ChatBody)
+    body = decode_json(raw, ChatCompletionBody)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     check_knobs(body)
@@ -271,7 +270,7 @@ def decode(raw: bytes, conversation: str | None = None) -> tuple[GenerateRequest
             param="continue_final_message",
         )
     tools = to_tools(body.tools)
-    return GenerateRequest(
+    return ApiRequest(
         model=body.model,
         dialect=Dialect.OPENAI,
         messages=to_messages(body.messages),
@@ -329,7 +328,7 @@ class _Choice:
 
 
 class ChatEncoder:
-    def __init__(self, req: GenerateRequest, stamp: Stamp = STAMP, usage: bool = False) -> None:
+    def __init__(self, req: ApiRequest, stamp: Stamp = STAMP, usage: bool = False) -> None:
         self.req = req
         self.with_usage = usage
         self.logprobs = req.logprobs is not None
@@ -441,5 +440,5 @@ class ChatEncoder:
         return [error_frame(err)]
 
 
-def encoder(req: GenerateRequest, body: ChatBody, stamp: Stamp = STAMP) -> ChatEncoder:
+def encoder(req: ApiRequest, body: ChatCompletionBody, stamp: Stamp = STAMP) -> ChatEncoder:
     return ChatEncoder(req, stamp, usage=include_usage(body))

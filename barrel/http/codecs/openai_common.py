@@ -13,8 +13,8 @@ from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import Comment, Data, constraints
 from barrel.http.codecs.constraints import TEXT
 from barrel.http.errors import error_body
-from barrel.pipeline.events import TokenLogprob, Usage
 from barrel.pipeline.request import Dialect, Format, Options
+from barrel.values import TokenLogprob, Usage
 
 MAX_N = 8  # choices per request (each one is a sequence of the engine)
 MAX_TOP_LOGPROBS = 20

@@ -29,8 +29,9 @@ from barrel.http.codecs.openai_common import (
     options_of,
     progress,
 )
-from barrel.pipeline.events import ChatEvent, Finished, TextDelta, TokenLogprob, Usage
-from barrel.pipeline.request import Completion, Dialect, GenerateRequest
+from barrel.pipeline.events import ChatEvent, Finished, TextDelta
+from barrel.pipeline.request import ApiRequest, Completion, Dialect
+from barrel.values import TokenLogprob, Usage
 
 MAX_LOGPROBS = 20
 
@@ -63,7 +64,7 @@ def prompts_of(raw: Any) -> tuple[str | tuple[int, ...], ...]:
     raise InvalidRequest("prompt must be a string, strings or token ids", param="prompt")
 
 
-def decode(raw: bytes) -> tuple[GenerateRequest, CompletionBody]:
+def decode(raw: bytes) -> tuple[ApiRequest, CompletionBody]:
     """Everything that can be checked without the model; and the body, for the
     encoder."""
     body = decode_json(raw, CompletionBody)
@@ -79,7 +80,7 @@ def decode(raw: bytes) -> tuple[GenerateRequest, CompletionBody]:
         )
     if body.suffix and not all(isinstance(p, str) for p in prompts):
         raise InvalidRequest("suffix needs the prompt as text", param="suffix")
-    return GenerateRequest(
+    return ApiRequest(
         model=body.model,
         dialect=Dialect.OPENAI,
         messages=(),
@@ -141,7 +142,7 @@ class _Logprobs:
 
 
 class CompletionEncoder:
-    def __init__(self, req: GenerateRequest, stamp: Stamp = STAMP, usage: bool = False) -> None:
+    def __init__(self, req: ApiRequest, stamp: Stamp = STAMP, usage: bool = False) -> None:
         self.n = req.n
         self.runs = req.runs
         self.with_logprobs = req.logprobs is not None
@@ -232,5 +233,5 @@ def _reason(fin: Finished) -> str:
     return "stop" if fin.reason == "cancelled" else fin.reason
 
 
-def encoder(req: GenerateRequest, body: CompletionBody, stamp: Stamp = STAMP) -> CompletionEncoder:
+def encoder(req: ApiRequest, body: CompletionBody, stamp: Stamp = STAMP) -> CompletionEncoder:
     return CompletionEncoder(req, stamp, usage=include_usage(body))

@@ -47,9 +47,9 @@ from barrel.pipeline.events import (
     ToolCallStart,
 )
 from barrel.pipeline.request import (
+    ApiRequest,
     Dialect,
     Format,
-    GenerateRequest,
     Message,
     ServerUse,
     TextPart,
@@ -201,7 +201,7 @@ def _effort(body: ResponsesBody) -> str | None:
 
 def decode(
     raw: bytes, history: History, conversation: str | None = None
-) -> tuple[GenerateRequest, ResponsesBody]:
+) -> tuple[ApiRequest, ResponsesBody]:
     """The whole conversation (the stored one first, when continued) as a neutral
     request, checked before any queueing; and the body, for the encoder."""
     body = decode_json(raw, ResponsesBody)
@@ -224,7 +224,7 @@ def decode(
         messages = [m for m in messages if m.role != "system"]
         messages.insert(0, text("system", body.instructions))
     tools, servers = _tools(body.tools)
-    return GenerateRequest(
+    return ApiRequest(
         model=body.model,
         dialect=Dialect.OPENAI,
         messages=tuple(messages),
@@ -263,7 +263,7 @@ class ResponsesEncoder:
     """The response object and its output items, built as events come, and the named
     events of a stream."""
 
-    def __init__(self, req: GenerateRequest, body: ResponsesBody, stamp: Stamp = STAMP) -> None:
+    def __init__(self, req: ApiRequest, body: ResponsesBody, stamp: Stamp = STAMP) -> None:
         self.req = req
         self.stamp = stamp
         self.seq = 0
@@ -453,8 +453,13 @@ class ResponsesEncoder:
                 "id": self.stamp.ids("mcpl_"),
                 "server_label": event.server,
                 "tools": [
-                    {"name": n, "description": d, "input_schema": s, "annotations": None}
-                    for n, d, s in event.tools
+                    {
+                        "name": t.name,
+                        "description": t.description,
+                        "input_schema": t.parameters,
+                        "annotations": None,
+                    }
+                    for t in event.tools
                 ],
                 "error": None,
             }
@@ -505,16 +510,16 @@ class ResponsesEncoder:
         elif event.id in self.calls:
             item = self.calls.pop(event.id)
             where = self._where(item)
-            if event.error:
+            if event.result.error:
                 item["status"] = "failed"
                 item["error"] = {
                     "type": "mcp_tool_execution_error",
-                    "content": [{"type": "text", "text": event.output}],
+                    "content": [{"type": "text", "text": event.result.output}],
                 }
                 out.append(self._event("response.mcp_call.failed", **where))
             else:
                 item["status"] = "completed"
-                item["output"] = event.output
+                item["output"] = event.result.output
                 out.append(self._event("response.mcp_call.completed", **where))
             out.append(
                 self._event(

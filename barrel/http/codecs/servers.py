@@ -131,8 +131,8 @@ def call_record(call: ServerCall, result: ServerResult | None) -> dict[str, Any]
         "arguments": call.arguments,
     }
     if result is not None:
-        out["output"] = result.output
-        out["is_error"] = result.error
+        out["output"] = result.result.output
+        out["is_error"] = result.result.error
     return out
 
 

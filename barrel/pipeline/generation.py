@@ -29,14 +29,14 @@ import msgspec
 
 from barrel.config import LimitsConfig
 from barrel.engine.engine import Engine
-from barrel.engine.types import GenerationRequest, SamplingParams, SessionId
+from barrel.engine.types import EngineRequest, SamplingParams, SessionId
 from barrel.errors import InvalidRequest
 from barrel.pipeline import audio, complete, images, servertools
 from barrel.pipeline import chat as chat_turn
 from barrel.pipeline.chat import ChatRequest, Prepared
 from barrel.pipeline.events import ChatEvent
-from barrel.pipeline.grammar import check_size, format_grammar
-from barrel.pipeline.request import Dialect, GenerateRequest, Message, TextPart, Tool
+from barrel.pipeline.formats import check_size, format_grammar
+from barrel.pipeline.request import ApiRequest, Dialect, Message, TextPart, Tool
 from barrel.pipeline.servertools import Toolbox
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.templates import ChatTemplate
@@ -107,7 +107,7 @@ class Generation:
         return len(self.prompt)
 
 
-def check(req: GenerateRequest, limits: LimitsConfig) -> None:
+def check(req: ApiRequest, limits: LimitsConfig) -> None:
     """What can be refused before any lease, whatever the dialect: every size the client
     chose is within `limits`."""
     images.check(req, limits)
@@ -195,7 +195,7 @@ def with_model_messages(
     return [*head, *messages], len(head)
 
 
-def thinking_of(req: GenerateRequest, template: ChatTemplate) -> tuple[bool | None, dict[str, Any]]:
+def thinking_of(req: ApiRequest, template: ChatTemplate) -> tuple[bool | None, dict[str, Any]]:
     """Whether the model thinks, and the template's extra arguments: an explicit
     `enable_thinking` template argument wins, then the request's thinking; an effort of
     "none" turns it off, any other turns it on for a template that knows <think> blocks
@@ -216,7 +216,7 @@ def thinking_of(req: GenerateRequest, template: ChatTemplate) -> tuple[bool | No
 
 
 def _sampling(
-    session: ModelAccess, req: GenerateRequest
+    session: ModelAccess, req: ApiRequest
 ) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
     sampling, predict, stop = session.sampling(req.dialect, req.options.given())
     if req.logit_bias:
@@ -228,14 +228,14 @@ def _sampling(
     return sampling, limit, (*stop, *req.stop)
 
 
-def _session(model: str, messages: list[dict[str, Any]], req: GenerateRequest) -> SessionId:
+def _session(model: str, messages: list[dict[str, Any]], req: ApiRequest) -> SessionId:
     """The KV session: the client's conversation id (or a hash of the conversation's
     start), inside the request's scope."""
     session = derive_session(model, messages, req.conversation, req.user)
     return SessionId(f"{req.scope}/{session}") if req.scope else session
 
 
-def _raw_prompt(session: ModelAccess, req: GenerateRequest) -> list[int] | None:
+def _raw_prompt(session: ModelAccess, req: ApiRequest) -> list[int] | None:
     raw = req.raw
     if raw is None:
         return None
@@ -248,7 +248,7 @@ def _raw_prompt(session: ModelAccess, req: GenerateRequest) -> list[int] | None:
 
 async def start(
     session: ModelAccess,
-    req: GenerateRequest,
+    req: ApiRequest,
     limits: LimitsConfig | None = None,
     toolbox: Toolbox | None = None,
     max_rounds: int = 8,
@@ -275,14 +275,14 @@ async def start(
 
 
 async def prepare(
-    session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None = None
+    session: ModelAccess, req: ApiRequest, limits: LimitsConfig | None = None
 ) -> Prepared:
     """The prompt `start` would run, without running it (counting tokens)."""
     return (await _prepared(session, req, limits))[1]
 
 
 async def _completion(
-    session: ModelAccess, req: GenerateRequest, limits: LimitsConfig | None
+    session: ModelAccess, req: ApiRequest, limits: LimitsConfig | None
 ) -> Generation:
     completion = req.completion
     assert completion is not None
@@ -299,7 +299,7 @@ async def _completion(
     runs = [
         complete.run(
             engine,
-            GenerationRequest(
+            EngineRequest(
                 prompt,
                 sampling,
                 max_tokens=max_tokens,
@@ -355,7 +355,7 @@ async def _compile(session: ModelAccess, grammar: str | None, limits: LimitsConf
 
 async def _prepared(
     session: ModelAccess,
-    req: GenerateRequest,
+    req: ApiRequest,
     limits: LimitsConfig | None,
     toolbox: Toolbox | None = None,
 ) -> tuple[ChatRequest, Prepared]:
@@ -394,7 +394,7 @@ async def _prepared(
         ignore_eos=req.ignore_eos,
         generation_prompt=req.generation_prompt,
         continue_final=req.continue_final,
-        images={images.digest_of_part(i): i.data for m in req.messages for i in m.media},
+        media={images.digest_of_part(i): i.data for m in req.messages for i in m.media},
     )
     prep = await _render(session, chat, template)
     await _compile(session, prep.grammar, limits)
@@ -420,7 +420,7 @@ def with_server_tools(tools: tuple[Tool, ...], toolbox: Toolbox) -> tuple[Tool, 
                 param="tools",
             )
         names.add(tool.name)
-        out.append(tool.as_tool())
+        out.append(Tool(tool.name, tool.description, tool.parameters or {"type": "object"}))
     return tuple(out)
 
 
