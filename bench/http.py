@@ -34,11 +34,13 @@ from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import Delta, Done, EngineRequest, SamplingParams, SessionId
-from barrel.pipeline.chat import ChatRequest, make_template, prepare
+from barrel.pipeline.chat import ChatRequest
+from barrel.pipeline.families import detect_family
+from barrel.pipeline.prompt import prepare
 from barrel.pipeline.request import Dialect
 from barrel.pipeline.sampling import effective, sampling_params
 from barrel.pipeline.session import derive_session
-from barrel.pipeline.toolcalls import detect_family
+from barrel.pipeline.templates import make_template
 from barrel.store import bundled
 
 MODEL = "qwen"

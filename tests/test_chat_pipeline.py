@@ -20,11 +20,13 @@ from barrel.engine.model import LlamaModel
 from barrel.engine.types import EngineRequest, SamplingParams
 from barrel.errors import InvalidRequest
 from barrel.pipeline import generation
-from barrel.pipeline.chat import ChatRequest, prepare, run, template_tools
+from barrel.pipeline.answer import run
+from barrel.pipeline.chat import ChatRequest
 from barrel.pipeline.events import Finished, ReasoningDelta, TextDelta, ToolCallEvent
+from barrel.pipeline.families import detect_family
+from barrel.pipeline.prompt import prepare, template_tools
 from barrel.pipeline.request import ApiRequest, Dialect, Format, Tool, ToolChoice, text
 from barrel.pipeline.templates import ChatTemplate
-from barrel.pipeline.toolcalls import detect_family
 
 WEATHER = Tool(
     "get_weather",
@@ -250,7 +252,7 @@ async def test_the_system_and_tools_head_is_pinned_and_timed(tiny: Setup) -> Non
 
 
 def test_go_templates_from_modelfiles_are_converted() -> None:
-    from barrel.pipeline.chat import make_template
+    from barrel.pipeline.templates import make_template
 
     template = make_template("{{ .System }}|{{ .Prompt }}|{{ .Response }}")
     assert template.render(user("hi")) == "|hi|"
@@ -258,7 +260,7 @@ def test_go_templates_from_modelfiles_are_converted() -> None:
 
 def test_the_family_markers_that_are_control_tokens_are_preserved(tiny: Setup) -> None:
     harmony_like = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
-    from barrel.pipeline.toolcalls import family
+    from barrel.pipeline.families import family
 
     req = ChatRequest(user("x"), tools=(WEATHER,))
     prep = prepare(

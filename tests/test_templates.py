@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from barrel.pipeline.chat import TOOL_INSTRUCTIONS, ChatRequest, prepare, template_tools
+from barrel.pipeline.chat import ChatRequest
+from barrel.pipeline.families import detect_family
+from barrel.pipeline.prompt import TOOL_INSTRUCTIONS, prepare, template_tools
 from barrel.pipeline.request import Tool, ToolChoice
 from barrel.pipeline.templates import ChatTemplate, TemplateError
-from barrel.pipeline.toolcalls import detect_family
 
 TOOLS = [
     {

@@ -11,7 +11,8 @@ from barrel.pipeline.events import ReasoningDelta as Reasoning
 from barrel.pipeline.events import TextDelta as Text
 from barrel.pipeline.events import ToolArgsDelta, ToolCallStart
 from barrel.pipeline.events import ToolCallEvent as ToolCall
-from barrel.pipeline.toolcalls import ToolCallParser, family
+from barrel.pipeline.families import family
+from barrel.pipeline.toolcalls import ToolCallParser
 
 TOOLS = ["get_weather", "get_time"]
 PARIS = {"city": "Paris"}

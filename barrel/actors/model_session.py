@@ -24,10 +24,9 @@ from barrel.actors.loader import ModelSpec
 from barrel.engine.engine import Engine
 from barrel.engine.types import SamplingParams
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.pipeline.chat import make_template
 from barrel.pipeline.request import Dialect
 from barrel.pipeline.sampling import GGUF_SAMPLING, effective, recommended, sampling_params
-from barrel.pipeline.templates import ChatTemplate
+from barrel.pipeline.templates import ChatTemplate, make_template
 
 
 class SessionClosed(BarrelError):

@@ -12,7 +12,6 @@ from aiohttp import web
 from barrel.http.codecs import anthropic as codec
 from barrel.http.generate import SseTransport, conversation_of, serve, with_media
 from barrel.http.keys import CONFIG, MODELS
-from barrel.http.limits import check_limits
 from barrel.pipeline import generation
 
 routes = web.RouteTableDef()
@@ -21,8 +20,7 @@ routes = web.RouteTableDef()
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
     conversation = conversation_of(request)
-    req, body = codec.decode(await request.read(), counting=False, conversation=conversation)
-    check_limits(request, body.messages, body.tools)
+    req, _ = codec.decode(await request.read(), counting=False, conversation=conversation)
     transport = SseTransport(request) if req.stream else None
     return await serve(request, req, codec.MessagesEncoder(req), transport)
 
@@ -30,8 +28,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
     conversation = conversation_of(request)
-    req, body = codec.decode(await request.read(), counting=True, conversation=conversation)
-    check_limits(request, body.messages, body.tools)
+    req, _ = codec.decode(await request.read(), counting=True, conversation=conversation)
     limits = request.app[CONFIG].limits
     generation.check(req, limits)
     req = await with_media(request, req)

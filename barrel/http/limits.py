@@ -1,23 +1,9 @@
-"""Request limits every generation endpoint checks before any slow work."""
+"""How deep a raw body nests, read before any parser sees it (the other limits of a
+request are the pipeline's: barrel.pipeline.generation.check)."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
-
-from aiohttp import web
-
-from barrel.errors import InvalidRequest
-from barrel.http.keys import CONFIG
-
-
-def check_limits(request: web.Request, messages: list[Any], tools: list[Any]) -> None:
-    limits = request.app[CONFIG].limits
-    if len(messages) > limits.max_messages:
-        raise InvalidRequest(f"at most {limits.max_messages} messages are allowed")
-    if len(tools) > limits.max_tools:
-        raise InvalidRequest(f"at most {limits.max_tools} tools are allowed")
-
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"{}[]")

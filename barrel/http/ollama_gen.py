@@ -20,7 +20,6 @@ from barrel.errors import InvalidRequest
 from barrel.http.codecs import ollama as codec
 from barrel.http.generate import NdjsonTransport, conversation_of, serve
 from barrel.http.keys import CONFIG, MODELS
-from barrel.http.limits import check_limits
 from barrel.pipeline.request import ApiRequest
 
 logger = logging.getLogger(__name__)
@@ -75,8 +74,7 @@ async def _lifecycle_only(
 
 @routes.post("/api/chat")
 async def chat(request: web.Request) -> web.StreamResponse:
-    req, body = codec.decode_chat(await request.read(), conversation_of(request))
-    check_limits(request, body.messages, body.tools)
+    req, _ = codec.decode_chat(await request.read(), conversation_of(request))
     return await _generate(request, req, chat=True)
 
 

@@ -8,7 +8,6 @@ from aiohttp import web
 
 from barrel.http.codecs import openai_chat as codec
 from barrel.http.generate import SseTransport, conversation_of, serve
-from barrel.http.limits import check_limits
 
 routes = web.RouteTableDef()
 
@@ -17,6 +16,5 @@ routes = web.RouteTableDef()
 @routes.post("/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req, body = codec.decode(await request.read(), conversation_of(request))
-    check_limits(request, body.messages, body.tools)
     transport = SseTransport(request) if req.stream else None
     return await serve(request, req, codec.encoder(req, body), transport)

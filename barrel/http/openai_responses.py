@@ -13,7 +13,6 @@ from aiohttp import web
 from barrel.errors import NotFound
 from barrel.http.codecs import openai_responses as codec
 from barrel.http.generate import SseTransport, conversation_of, serve
-from barrel.http.limits import check_limits
 from barrel.http.response_store import ResponseStore
 from barrel.pipeline.request import Message
 
@@ -37,7 +36,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     conversation = conversation_of(request)
     req, body = codec.decode(await request.read(), history, conversation)
-    check_limits(request, list(req.messages), list(req.tools))
     encoder = codec.ResponsesEncoder(req, body)
 
     def keep() -> None:

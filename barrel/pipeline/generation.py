@@ -7,7 +7,7 @@
 For a chat turn, `start` puts the model's stored MESSAGEs and SYSTEM in front, merges
 the sampling (barrel.pipeline.sampling), renders the chat template with thinking as the
 request and the template want it, derives the KV session, prepares the prompt in a
-worker thread (barrel.pipeline.chat.prepare) and starts `n` runs (barrel.pipeline.chat.
+worker thread (barrel.pipeline.prompt.prepare) and starts `n` runs (barrel.pipeline.answer.
 run): the first continues the conversation's KV session, the others are new sequences.
 A completion (`req.completion`) skips the template: its prompts are tokenized as given
 and run unparsed (barrel.pipeline.complete).
@@ -31,16 +31,15 @@ from barrel.config import LimitsConfig
 from barrel.engine.engine import Engine
 from barrel.engine.types import EngineRequest, SamplingParams, SessionId
 from barrel.errors import InvalidRequest
-from barrel.pipeline import audio, complete, images, servertools
-from barrel.pipeline import chat as chat_turn
+from barrel.pipeline import answer, audio, complete, images, prompt, servertools
 from barrel.pipeline.chat import ChatRequest, Prepared
 from barrel.pipeline.events import ChatEvent
+from barrel.pipeline.families import detect_family
 from barrel.pipeline.formats import check_size, format_grammar
-from barrel.pipeline.request import ApiRequest, Dialect, Message, TextPart, Tool
+from barrel.pipeline.request import ApiRequest, Dialect, Message, TextPart, Tool, ToolChoice
 from barrel.pipeline.servertools import Toolbox
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.templates import ChatTemplate
-from barrel.pipeline.toolcalls import detect_family
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +107,12 @@ class Generation:
 
 
 def check(req: ApiRequest, limits: LimitsConfig) -> None:
-    """What can be refused before any lease, whatever the dialect: every size the client
-    chose is within `limits`."""
+    """What can be refused before any lease, whatever the dialect and route: every count
+    and size the client chose is within `limits`, and the tool choice fits the tools."""
+    if len(req.messages) > limits.max_messages:
+        raise InvalidRequest(f"at most {limits.max_messages} messages are allowed")
+    if len(req.tools) > limits.max_tools:
+        raise InvalidRequest(f"at most {limits.max_tools} tools are allowed")
     images.check(req, limits)
     audio.check(req, limits)
     stops = [*(req.options.stop or ()), *req.stop]
@@ -137,12 +140,8 @@ def check(req: ApiRequest, limits: LimitsConfig) -> None:
             tool.parameters, where=f"the tool {tool.name!r}", max_bytes=limits.max_schema_bytes
         )
     choice = req.tool_choice
-    named = {t.name for t in req.tools}
-    if choice.mode == "function" and choice.name not in named and not req.servers:
-        raise InvalidRequest(
-            f"tool_choice names {choice.name!r}, which is not among the tools",
-            param="tool_choice",
-        )
+    if not req.servers:  # else once the servers' tools are known (_prepared)
+        _check_choice(choice, req.tools)
     forced = req.tools and choice.mode in ("required", "function")
     if forced and req.format.kind != "text":
         raise InvalidRequest("a forced tool call and a response_format cannot be combined")
@@ -150,6 +149,14 @@ def check(req: ApiRequest, limits: LimitsConfig) -> None:
         raise InvalidRequest("a turn with tool servers has one answer: n must be 1", param="n")
     if len(req.servers) > MAX_SERVERS:
         raise InvalidRequest(f"at most {MAX_SERVERS} tool servers a request")
+
+
+def _check_choice(choice: ToolChoice, tools: tuple[Tool, ...]) -> None:
+    if choice.mode == "function" and choice.name not in {t.name for t in tools}:
+        raise InvalidRequest(
+            f"tool_choice names {choice.name!r}, which is not among the tools",
+            param="tool_choice",
+        )
 
 
 def template_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
@@ -268,9 +275,9 @@ async def start(
 
         turn = servertools.run(engine, chat, prep, toolbox, render, max_rounds, timings)
         return Generation([turn], prep.prompt)
-    runs = [chat_turn.run(engine, chat, prep, timings)]
+    runs = [answer.run(engine, chat, prep, timings)]
     alone = dataclasses.replace(chat, session=None)
-    runs += [chat_turn.run(engine, alone, prep, timings) for _ in range(req.n - 1)]
+    runs += [answer.run(engine, alone, prep, timings) for _ in range(req.n - 1)]
     return Generation(runs, prep.prompt)
 
 
@@ -329,7 +336,7 @@ async def _render(session: ModelAccess, chat: ChatRequest, template: ChatTemplat
         return model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     return await asyncio.to_thread(
-        chat_turn.prepare,
+        prompt.prepare,
         chat,
         template,
         model.tokenize,
@@ -363,12 +370,7 @@ async def _prepared(
     tools = req.tools
     if toolbox is not None and toolbox.tools:
         tools = with_server_tools(req.tools, toolbox)
-    choice = req.tool_choice
-    if choice.mode == "function" and choice.name not in {t.name for t in tools}:
-        raise InvalidRequest(
-            f"tool_choice names {choice.name!r}, which is not among the tools",
-            param="tool_choice",
-        )
+    _check_choice(req.tool_choice, tools)
     sampling, max_tokens, stop = _sampling(session, req)
     verbatim = _raw_prompt(session, req)
     template = VERBATIM if verbatim is not None else await session.template()

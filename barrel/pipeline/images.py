@@ -9,7 +9,7 @@ and, from its header, by `max_image_pixels`; their number by `max_images`.
 
 In the prompt each image stands as a marker naming its SHA-256
 (`image_marker`), which the chat template renders in the image's place inside its
-message; `barrel.pipeline.chat.prepare` cuts the rendered text at the markers and puts
+message; `barrel.pipeline.prompt.prepare` cuts the rendered text at the markers and puts
 the projector's tokens for each image there.
 """
 

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from barrel.engine.engine import Engine
 from barrel.engine.errors import PromptTooLong
-from barrel.pipeline import chat as chat_turn
+from barrel.pipeline import answer
 from barrel.pipeline.chat import ChatRequest, Prepared
 from barrel.pipeline.events import (
     CallResult,
@@ -82,7 +82,7 @@ async def run(
     max_rounds: int,
     timings: Callable[[float, float], None] | None = None,
 ) -> AsyncGenerator[ChatEvent, None]:
-    """The turn (see the module's docstring): events as `chat.run` yields them, server
+    """The turn (see the module's docstring): events as `answer.run` yields them, server
     calls and results in between, one `Finished` at the end with the usage of all
     rounds (each round's prompt counts, and the cells it reused: a continuation that
     reuses the turn's cells computes only the calls' results)."""
@@ -151,7 +151,7 @@ async def _generate(
     """One generation: text and reasoning pass through; tool-call events are sorted
     into `turn` (server calls to run, client calls held); `Finished` ends it."""
     current_is_server = False
-    async with aclosing(chat_turn.run(engine, chat, prep, timings)) as events:
+    async with aclosing(answer.run(engine, chat, prep, timings)) as events:
         async for event in events:
             if isinstance(event, Finished):
                 turn.finished = event

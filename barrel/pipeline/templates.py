@@ -26,6 +26,7 @@ from jinja2.sandbox import SandboxedEnvironment
 
 from barrel.errors import InvalidRequest
 from barrel.pipeline.deadline import Expired, budget
+from barrel.pipeline.gotemplate import go_to_jinja, is_go_template
 
 
 class TemplateError(InvalidRequest):
@@ -359,3 +360,13 @@ def _string_arguments(message: dict[str, Any]) -> dict[str, Any]:
             fn["arguments"] = json.dumps(fn["arguments"], ensure_ascii=False)
         out["tool_calls"].append(call)
     return out
+
+
+def make_template(
+    source: str, bos_token: str = "", eos_token: str = "", render_budget_s: float | None = None
+) -> ChatTemplate:
+    """The model's chat template: a Modelfile TEMPLATE (Go, converted when simple) or the
+    GGUF's Jinja2 template. Each render gets `render_budget_s` (a 400 beyond)."""
+    if is_go_template(source):
+        source = go_to_jinja(source)
+    return ChatTemplate(source, bos_token, eos_token, render_budget_s)

@@ -1,25 +1,23 @@
-"""Tool calls and reasoning in generated text: one streaming parser driven by a table of
-model families.
+"""Tool calls and reasoning in generated text: one streaming parser driven by the family
+table (barrel.pipeline.families).
 
-Each family says how its chat template can be recognised, which markers open (and close)
-a tool-call region, how the region's body is written, and how reasoning is marked. The
-parser streams plain text out as soon as it cannot be the start of a marker, hands
+The parser streams plain text out as soon as it cannot be the start of a marker, hands
 reasoning out separately, and parses each tool-call region when it closes. Markers that
 are control tokens vanish when a model's output is detokenized without special tokens;
 every family also accepts its marker-stripped shape. Text that does not parse as a call
-comes back as content: output is never dropped.
+comes back as content: output is never dropped. A JSON call whose name is a declared
+tool's streams its arguments as they are written (barrel.pipeline.jsonscan).
+
+    parser = ToolCallParser(detect_family(template), tool_names)
+    events = parser.feed(text) ... + parser.finish()
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import re
-import secrets
-import string
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
 
 from barrel.pipeline.events import (
     ReasoningDelta,
@@ -28,298 +26,22 @@ from barrel.pipeline.events import (
     ToolCallEvent,
     ToolCallStart,
 )
+from barrel.pipeline.families import BODY_PARSERS, Call, Family, new_call_id
+from barrel.pipeline.jsonscan import JsonScan, complete_json, object_end
 
 ParseEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolArgsDelta | ToolCallEvent
-Call = tuple[str, Any]  # (name, arguments object)
 
 
-def new_call_id() -> str:
-    """Nine alphanumerics: the shape Mistral's templates insist on, accepted by all."""
-    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
-
-
-# -- body parsers: captured region -> calls (ValueError if it is not one) ------------
-
-
-def _call_of(obj: Any) -> Call:
-    if not isinstance(obj, dict):
-        raise ValueError("a call is a JSON object")
-    inner = obj.get("function")
-    fn: dict[str, Any] = inner if isinstance(inner, dict) else obj
-    name = fn.get("name")
-    args = fn.get("arguments", fn.get("parameters", {}))
-    if isinstance(args, str):
-        args = json.loads(args) if args.strip() else {}
-    if not isinstance(name, str) or not isinstance(args, dict):
-        raise ValueError("a call needs a name and object arguments")
-    return name, args
-
-
-def parse_json(body: str) -> list[Call]:
-    """One JSON call object, or several separated by whitespace/newlines."""
-    body = body.strip()
-    decoder = json.JSONDecoder()
-    calls, pos = [], 0
-    fence = re.match(r"^```(?:json)?\s*(.*?)\s*```$", body, re.S)
-    if fence:
-        body = fence.group(1)
-    while pos < len(body):
-        value, end = decoder.raw_decode(body, pos)
-        if isinstance(value, list):
-            calls += [_call_of(v) for v in value]
-        else:
-            calls.append(_call_of(value))
-        pos = end
-        while pos < len(body) and body[pos] in " \t\r\n;,":
-            pos += 1
-    if not calls:
-        raise ValueError("no call")
-    return calls
-
-
-def _coerce(value: str) -> Any:
-    value = value.strip("\n")
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
-def parse_xml_function(body: str) -> list[Call]:
-    """qwen3-coder: <function=NAME><parameter=K>V</parameter>...</function>."""
-    calls = []
-    for m in re.finditer(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", body, re.S):
-        params = {
-            k.strip(): _coerce(v)
-            for k, v in re.findall(r"<parameter=([^>\n]+)>(.*?)</parameter>", m.group(2), re.S)
-        }
-        calls.append((m.group(1).strip(), params))
-    if not calls:
-        raise ValueError("no <function=...>")
-    return calls
-
-
-def parse_glm(body: str) -> list[Call]:
-    """glm45: NAME then <arg_key>K</arg_key><arg_value>V</arg_value> pairs; with the
-    markers stripped, NAME then alternating key and value lines."""
-    name = body.strip().partition("\n")[0]
-    name = re.split(r"<arg_key>", name)[0].strip()
-    if not name or not re.match(r"^[\w.\-]+$", name):
-        raise ValueError("no function name")
-    pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", body, re.S)
-    if not pairs and "<arg_key>" not in body:
-        lines = [ln for ln in body.strip().split("\n")[1:] if ln.strip()]
-        if len(lines) % 2:
-            raise ValueError("keys and values do not pair up")
-        pairs = list(zip(lines[::2], lines[1::2], strict=True))
-    return [(name, {k.strip(): _coerce(v) for k, v in pairs})]
-
-
-def parse_name_args(body: str) -> list[Call]:
-    """mistral-args: NAME[ARGS]{json}, repeated (marker-stripped: NAME{json})."""
-    calls = []
-    decoder = json.JSONDecoder()
-    pos = 0
-    body = body.replace("[TOOL_CALLS]", "\n")
-    while True:
-        m = re.compile(r"\s*([\w.\-]+)\s*(?:\[ARGS\])?\s*").match(body, pos)
-        if m is None or m.end() >= len(body) or body[m.end()] != "{":
-            break
-        args, end = decoder.raw_decode(body, m.end())
-        if not isinstance(args, dict):
-            raise ValueError("arguments must be an object")
-        calls.append((m.group(1), args))
-        pos = end
-    if not calls or body[pos:].strip():
-        raise ValueError("not NAME[ARGS]{...}")
-    return calls
-
-
-def parse_pythonic(body: str) -> list[Call]:
-    """llama-pythonic: [f(a=1, b='x'), g()] with Python or JSON literals."""
-    text = body.strip().removesuffix("<|eot_id|>").strip()
-    text = re.sub(
-        r"\btrue\b", "True", re.sub(r"\bfalse\b", "False", re.sub(r"\bnull\b", "None", text))
-    )
-    tree = ast.parse(text, mode="eval").body
-    items = tree.elts if isinstance(tree, ast.List) else [tree]
-    calls = []
-    for item in items:
-        if not isinstance(item, ast.Call) or item.args:
-            raise ValueError("not a call with keyword arguments")
-        name = ast.unparse(item.func)
-        calls.append((name, {kw.arg: ast.literal_eval(kw.value) for kw in item.keywords if kw.arg}))
-    if not calls:
-        raise ValueError("no call")
-    return calls
-
-
-_DS = {
-    "begin": "<\uff5ctool\u2581call\u2581begin\uff5c>",
-    "sep": "<\uff5ctool\u2581sep\uff5c>",
-    "end": "<\uff5ctool\u2581call\u2581end\uff5c>",
-}
-
-
-def parse_dsml(body: str) -> list[Call]:
-    """DeepSeek: <|tool call begin|>function<|tool sep|>NAME, a ```json fence with the
-    arguments, <|tool call end|>; or marker-stripped: functionNAME then the fence."""
-    calls = []
-    text = body.replace(_DS["begin"], "\n").replace(_DS["end"], "\n").replace(_DS["sep"], "")
-    for m in re.finditer(r"\s*(?:function)?([\w.\-]+)\s*\n```(?:json)?\s*(.*?)\s*```", text, re.S):
-        args = json.loads(m.group(2))
-        if not isinstance(args, dict):
-            raise ValueError("arguments must be an object")
-        calls.append((m.group(1), args))
-    if not calls:
-        raise ValueError("no DeepSeek call")
-    return calls
-
-
-def parse_harmony(body: str) -> list[Call]:
-    """gpt-oss: [commentary ]to=functions.NAME [<|constrain|>json]<|message|>ARGS[<|call|>]."""
-    m = re.search(
-        r"to=functions\.([\w.\-]+).*?(?:<\|message\|>|\bjson\b)\s*(\{.*\})\s*(?:<\|call\|>)?\s*$",
-        body,
-        re.S,
-    )
-    if m is None:
-        raise ValueError("no harmony call")
-    args = json.loads(m.group(2))
-    if not isinstance(args, dict):
-        raise ValueError("arguments must be an object")
-    return [(m.group(1), args)]
-
-
-BODY_PARSERS: dict[str, Callable[[str], list[Call]]] = {
-    "json": parse_json,
-    "xml_function": parse_xml_function,
-    "glm": parse_glm,
-    "name_args": parse_name_args,
-    "pythonic": parse_pythonic,
-    "dsml": parse_dsml,
-    "harmony": parse_harmony,
-}
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    detect: tuple[str, ...]  # the chat template contains all of these
-    starts: tuple[str, ...]  # a tool-call region opens with one of these
-    end: str | None  # ... and closes with this (None: at the end of the output)
-    body: str  # key of BODY_PARSERS
-    stripped: tuple[str, ...] = ()  # how a region starts once control tokens vanished
-    reasoning: tuple[str, str] = ("<think>", "</think>")
-    excludes: tuple[str, ...] = field(default=())  # the template contains none of these
-    keep_start: bool = False  # the start marker is part of the body (pythonic, harmony)
-    stripped_names: bool = False  # a marker-stripped call starts with a tool's name
-    noise: tuple[str, ...] = ()  # structural markers removed from content
-
-    @property
-    def markers(self) -> tuple[str, ...]:
-        """Every marker string the parser reads: their control tokens must be kept."""
-        harmony = ("<|channel|>", "<|message|>", "<|constrain|>", "<|call|>")
-        extra = harmony if self.body == "harmony" else ()
-        end = (self.end,) if self.end else ()
-        return (*self.starts, *end, *self.reasoning, *self.noise, *extra)
-
-
-_DS_BEGIN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
-_DS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
-
-# First match wins: the more specific families come first.
-FAMILIES: tuple[Family, ...] = (
-    Family(
-        "harmony",
-        detect=("<|channel|>", "<|message|>"),
-        starts=("<|channel|>commentary to=functions.", "commentary to=functions.", "to=functions."),
-        end=None,
-        body="harmony",
-        reasoning=("<|channel|>analysis<|message|>", "<|end|>"),
-        keep_start=True,
-        noise=("<|start|>assistant", "<|channel|>final<|message|>", "<|end|>", "<|return|>"),
-    ),
-    Family(
-        "qwen3-coder",
-        detect=("<function=", "<parameter="),
-        starts=("<tool_call>", "<function="),
-        end="</tool_call>",
-        body="xml_function",
-        stripped=("<function=",),
-    ),
-    Family(
-        "glm45",
-        detect=("<tool_call>", "<arg_key>"),
-        starts=("<tool_call>",),
-        end="</tool_call>",
-        body="glm",
-        stripped_names=True,
-    ),
-    Family("dsml", (_DS_BEGIN,), (_DS_BEGIN,), _DS_END, "dsml", stripped=("function",)),
-    Family(
-        "mistral-args",
-        detect=("[TOOL_CALLS]", "[ARGS]"),
-        starts=("[TOOL_CALLS]",),
-        end=None,
-        body="name_args",
-        stripped_names=True,
-    ),
-    Family("mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), None, "json", stripped=("[{", "```")),
-    Family(
-        "phi4-functools",
-        detect=("functools[", "<|tool|>"),
-        starts=("functools",),
-        end=None,
-        body="json",
-    ),
-    Family("firefunction", ("functools[",), ("functools",), None, "json"),
-    Family(
-        "llama-python-tag",
-        detect=("<|python_tag|>",),
-        starts=("<|python_tag|>",),
-        end=None,
-        body="json",
-        stripped=('{"name"', '{"type"', "```"),
-    ),
-    Family(
-        "llama-pythonic",
-        detect=("<|eot_id|>", "[func_name1("),
-        starts=("[",),
-        end=None,
-        body="pythonic",
-        keep_start=True,
-    ),
-    Family(
-        "hermes",
-        detect=("<tool_call>",),
-        starts=("<tool_call>",),
-        end="</tool_call>",
-        body="json",
-        stripped=('{"name"', "```"),
-    ),
-    Family("generic", (), (), None, "json", stripped=("{", "```")),
-)
-_BY_NAME = {f.name: f for f in FAMILIES}
-
-
-def family(name: str) -> Family:
-    return _BY_NAME[name]
-
-
-def detect_family(template: str) -> Family:
-    for fam in FAMILIES:
-        if (
-            fam.detect
-            and all(d in template for d in fam.detect)
-            and not any(e in template for e in fam.excludes)
-        ):
-            return fam
-    return _BY_NAME["generic"]
+class State(Enum):
+    TEXT = "text"  # content, watching for markers
+    REASONING = "reasoning"  # inside a reasoning block
+    CALL = "call"  # inside a marked tool-call region
+    OBJECT = "object"  # a bare (or fenced) JSON object that may be a call
 
 
 class ToolCallParser:
     """Feed generated text in any chunks; get content, reasoning and tool calls out.
+    Owns the text held back (a possible marker or call) and the call being streamed.
 
     `tools` names the request's tools: a parsed call to another name is not a call, and
     with no tools nothing is parsed as one (only reasoning is separated).
@@ -330,7 +52,7 @@ class ToolCallParser:
         self.tools = set(tools)
         self.reasoning = reasoning
         self._buf = ""
-        self._state = "text"  # text | reasoning | call
+        self._state = State.TEXT
         self._started = False  # any non-space output seen
         self._region = ""
         self._after_reasoning = False
@@ -344,7 +66,13 @@ class ToolCallParser:
         # where its arguments start in the region), and how much of them went out.
         self._live: tuple[str, str, int] | None = None
         self._sent = 0
-        self._scan = _JsonScan()  # of what of its arguments went out
+        self._scan = JsonScan()  # of what of its arguments went out
+        self._read: dict[State, Callable[[list[ParseEvent], bool], bool]] = {
+            State.TEXT: self._read_text,
+            State.REASONING: self._read_reasoning,
+            State.CALL: self._read_call,
+            State.OBJECT: self._read_object,
+        }
 
     @property
     def _markers(self) -> list[str]:
@@ -369,13 +97,13 @@ class ToolCallParser:
                 return out + [_event(c) for c in calls]
             self._started = True
             out += self._drain(final=True)
-        if self._state == "call":
+        if self._state is State.CALL:
             out += self._close_region(self._region + self._buf, final=True)
-        elif self._state == "object":
+        elif self._state is State.OBJECT:
             self._region += self._buf
             self._buf = ""
             out += self._object(final=True) or []
-        elif self._state == "reasoning" and self._buf:
+        elif self._state is State.REASONING and self._buf:
             out.append(ReasoningDelta(self._buf))
         elif self._buf:
             out.append(TextDelta(self._buf))
@@ -383,112 +111,132 @@ class ToolCallParser:
         return [e for e in out if not isinstance(e, TextDelta) or e.text]
 
     def _drain(self, final: bool) -> list[ParseEvent]:
+        """Read the held text, state by state: each reader appends what it can say now
+        and answers whether there is more to read before the next chunk."""
         out: list[ParseEvent] = []
-        while self._buf:
-            if self._state == "reasoning":
-                end = self.family.reasoning[1]
-                at = self._buf.find(end)
-                if at < 0:
-                    keep = _partial_suffix(self._buf, [end])
-                    if len(self._buf) > keep:
-                        out.append(ReasoningDelta(self._buf[: len(self._buf) - keep]))
-                        self._buf = self._buf[len(self._buf) - keep :]
-                    return out
-                if at:
-                    out.append(ReasoningDelta(self._buf[:at]))
-                self._buf = self._buf[at + len(end) :]
-                self._state = "text"
-                self._after_reasoning = True
-                continue
-            if self._state == "call":
-                self._region += self._buf
-                self._buf = ""
-                call_end = self.family.end
-                at = self._region.find(call_end) if call_end else -1
-                if at < 0 or call_end is None:
-                    return out + self._stream(self._region)
-                region, self._buf = self._region[:at], self._region[at + len(call_end) :]
-                self._region = ""
-                self._state = "text"
-                out += self._close_region(region, final=False)
-                continue
-            if self._state == "object":
-                self._region += self._buf
-                self._buf = ""
-                decided = self._object(final=False)
-                if decided is None:
-                    return out + self._stream(self._region)
-                out += decided
-                continue
-            if self._after_call:  # a stray closing fence after a bare call object
-                rest = self._buf.lstrip()
-                if not rest and final:
-                    self._buf = ""  # only whitespace after the last call
-                    return out
-                if not rest or ("```".startswith(rest[:3]) and len(rest) < 3 and not final):
-                    return out
-                if rest.startswith("```") and self._after_call != "fence":
-                    self._buf = rest[3:]
-                    self._after_call = "fence"  # closed: only whitespace may follow it
-                    continue
-                self._after_call = False
-                continue
-            if self._after_reasoning:  # the newlines that follow a reasoning block
-                self._buf = self._buf.lstrip("\n")
-                if not self._buf:
-                    return out
-                self._after_reasoning = False
-            # text: a stripped call shape at the very start is held to the end
-            if not self._started:
-                stripped = self._buf.lstrip()
-                if not stripped:
-                    return out
-                shapes = list(self.family.stripped)
-                if self.family.stripped_names:
-                    shapes += list(self.tools)
-                if self.tools and any(
-                    stripped.startswith(s) or s.startswith(stripped) for s in shapes
-                ):
-                    head = _CALL_HEAD.match(stripped, _object_start(stripped))
-                    if not (self._bare_calls and head and head.group(1) in self.tools):
-                        return out  # a marker-stripped call? undecided until the output ends
-                    # a call object with a declared tool's name: read (and streamed) as one
-                    self._started, self._state, self._region = True, "object", ""
-                    self._buf = stripped
-                    continue
-                self._started = True
-            soft = list(_SOFT_STARTS) if self._bare_calls else []
-            found = _earliest(self._buf, self._markers + list(self.family.noise) + soft)
-            if found is None:
-                held = list(self.family.noise) + self._markers + soft
-                keep = 0 if final else _partial_suffix(self._buf, held)
-                if len(self._buf) > keep:
-                    said = self._buf[: len(self._buf) - keep]
-                    out.append(TextDelta(said))
-                    self._spoke = self._spoke or bool(said.strip())
-                    self._buf = self._buf[len(self._buf) - keep :]
-                return out
-            at, marker = found
-            if at:
-                out.append(TextDelta(self._buf[:at]))
-                self._spoke = self._spoke or bool(self._buf[:at].strip())
-            if marker in self.family.noise and marker not in self._markers:
-                self._buf = self._buf[at + len(marker) :]
-                continue
-            if marker in soft:
-                if at and not self._spoke and not self._buf[:at].strip():
-                    out.pop()  # only whitespace before a call object: not content
-                self._buf = self._buf[at:]
-                self._state = "object"
-                self._region = ""
-                continue
-            self._buf = self._buf[at + len(marker) :]
-            if self.reasoning and marker == self.family.reasoning[0]:
-                self._state = "reasoning"
-            else:
-                self._state = "call"
-                self._region = marker if self.family.keep_start else ""
+        while self._buf and self._read[self._state](out, final):
+            pass
         return out
+
+    def _read_reasoning(self, out: list[ParseEvent], final: bool) -> bool:
+        end = self.family.reasoning[1]
+        at = self._buf.find(end)
+        if at < 0:
+            keep = _partial_suffix(self._buf, [end])
+            if len(self._buf) > keep:
+                out.append(ReasoningDelta(self._buf[: len(self._buf) - keep]))
+                self._buf = self._buf[len(self._buf) - keep :]
+            return False
+        if at:
+            out.append(ReasoningDelta(self._buf[:at]))
+        self._buf = self._buf[at + len(end) :]
+        self._state = State.TEXT
+        self._after_reasoning = True
+        return True
+
+    def _read_call(self, out: list[ParseEvent], final: bool) -> bool:
+        self._region += self._buf
+        self._buf = ""
+        call_end = self.family.end
+        at = self._region.find(call_end) if call_end else -1
+        if at < 0 or call_end is None:
+            out += self._stream(self._region)
+            return False
+        region, self._buf = self._region[:at], self._region[at + len(call_end) :]
+        self._region = ""
+        self._state = State.TEXT
+        out += self._close_region(region, final=False)
+        return True
+
+    def _read_object(self, out: list[ParseEvent], final: bool) -> bool:
+        self._region += self._buf
+        self._buf = ""
+        decided = self._object(final=False)
+        if decided is None:
+            out += self._stream(self._region)
+            return False
+        out += decided
+        return True
+
+    def _read_text(self, out: list[ParseEvent], final: bool) -> bool:
+        if self._after_call:
+            return self._read_after_call(final)
+        if self._after_reasoning:  # the newlines that follow a reasoning block
+            self._buf = self._buf.lstrip("\n")
+            if not self._buf:
+                return False
+            self._after_reasoning = False
+        if not self._started:
+            decided = self._read_start()
+            if decided is not None:
+                return decided
+        soft = list(_SOFT_STARTS) if self._bare_calls else []
+        found = _earliest(self._buf, self._markers + list(self.family.noise) + soft)
+        if found is None:
+            held = list(self.family.noise) + self._markers + soft
+            keep = 0 if final else _partial_suffix(self._buf, held)
+            if len(self._buf) > keep:
+                said = self._buf[: len(self._buf) - keep]
+                out.append(TextDelta(said))
+                self._spoke = self._spoke or bool(said.strip())
+                self._buf = self._buf[len(self._buf) - keep :]
+            return False
+        at, marker = found
+        if at:
+            out.append(TextDelta(self._buf[:at]))
+            self._spoke = self._spoke or bool(self._buf[:at].strip())
+        if marker in self.family.noise and marker not in self._markers:
+            self._buf = self._buf[at + len(marker) :]
+            return True
+        if marker in soft:
+            if at and not self._spoke and not self._buf[:at].strip():
+                out.pop()  # only whitespace before a call object: not content
+            self._buf = self._buf[at:]
+            self._state = State.OBJECT
+            self._region = ""
+            return True
+        self._buf = self._buf[at + len(marker) :]
+        if self.reasoning and marker == self.family.reasoning[0]:
+            self._state = State.REASONING
+        else:
+            self._state = State.CALL
+            self._region = marker if self.family.keep_start else ""
+        return True
+
+    def _read_after_call(self, final: bool) -> bool:
+        """A stray closing fence after a bare call object is not content."""
+        rest = self._buf.lstrip()
+        if not rest and final:
+            self._buf = ""  # only whitespace after the last call
+            return False
+        if not rest or ("```".startswith(rest[:3]) and len(rest) < 3 and not final):
+            return False
+        if rest.startswith("```") and self._after_call != "fence":
+            self._buf = rest[3:]
+            self._after_call = "fence"  # closed: only whitespace may follow it
+            return True
+        self._after_call = False
+        return True
+
+    def _read_start(self) -> bool | None:
+        """The output's start: a marker-stripped call shape there is held to the end (or,
+        a call object with a declared tool's name, read as one). None: plain text."""
+        stripped = self._buf.lstrip()
+        if not stripped:
+            return False
+        shapes = list(self.family.stripped)
+        if self.family.stripped_names:
+            shapes += list(self.tools)
+        if self.tools and any(stripped.startswith(s) or s.startswith(stripped) for s in shapes):
+            head = _CALL_HEAD.match(stripped, _object_start(stripped))
+            if not (self._bare_calls and head and head.group(1) in self.tools):
+                return False  # a marker-stripped call? undecided until the output ends
+            # a call object with a declared tool's name: read (and streamed) as one
+            self._started, self._state, self._region = True, State.OBJECT, ""
+            self._buf = stripped
+            return True
+        self._started = True
+        return None
 
     def _close_region(self, region: str, final: bool) -> list[ParseEvent]:
         calls = self._parse(region)
@@ -518,13 +266,13 @@ class ToolCallParser:
             if m.end() == len(region) or region[m.end()] != "{":
                 return self._as_text(region[: m.end()], region[m.end() :])
             start = m.end()
-        end = _object_end(region, start)
+        end = object_end(region, start)
         if end is None:
             if not final and len(region) < MAX_HELD:
                 return None
             partial = self._partial(region[start:]) if final else None
             self._region = ""
-            self._state = "text"
+            self._state = State.TEXT
             if self._live is not None:
                 return self._end_live(region, [partial] if partial is not None else None)
             if partial is not None:
@@ -534,7 +282,7 @@ class ToolCallParser:
         if calls is None and self._live is None:
             return self._as_text(region[:1], region[1:])
         self._region = ""
-        self._state = "text"
+        self._state = State.TEXT
         self._buf = region[end:] + self._buf
         self._after_call = True
         if self._live is not None:
@@ -554,7 +302,7 @@ class ToolCallParser:
             self._live, self._sent, self._scan = (
                 (new_call_id(), m.group(1), m.end()),
                 0,
-                _JsonScan(),
+                JsonScan(),
             )
             out.append(ToolCallStart(self._live[0], self._live[1]))
         text = region[self._live[2] :]
@@ -576,12 +324,10 @@ class ToolCallParser:
         assert self._live is not None
         cid, name, at = self._live
         self._live = None
-        end = _object_end(region, _object_start(region))
+        end = object_end(region, _object_start(region))
         raw = region[at : end - 1] if end is not None else region[at:]
         if end is None:  # cut short: completed, so that the pieces still make JSON
-            held = _unfinished_key(raw)  # a key not yet followed by its value goes
-            base = raw[:held] if held is not None and held >= self._sent else raw
-            done = _completed(base.rstrip(" \t\r\n"))
+            done = complete_json(raw, keep=self._sent)
             raw = done if done is not None and done.startswith(raw[: self._sent]) else raw
         out: list[ParseEvent] = []
         if len(raw) > self._sent:
@@ -602,23 +348,19 @@ class ToolCallParser:
     def _as_text(self, text: str, rest: str) -> list[ParseEvent]:
         """Not a call: `text` goes out, `rest` is read again as text."""
         self._region = ""
-        self._state = "text"
+        self._state = State.TEXT
         self._buf = rest + self._buf
         return [TextDelta(text)]
 
     def _partial(self, region: str) -> Call | None:
         """A call cut short (the token limit): a declared tool's name and the arguments
-        written so far, closed so that they parse."""
+        written so far, completed so that they parse."""
         m = re.search(r'"name"\s*:\s*"([^"\\]+)"', region)
         if m is None or m.group(1) not in self.tools:
             return None
         args = re.search(r'"(?:arguments|parameters)"\s*:\s*', region)
-        if args is None:
-            return m.group(1), {}
-        try:
-            value = json.loads(_close_json(region[args.end() :]))
-        except ValueError:
-            return m.group(1), {}
+        done = complete_json(region[args.end() :]) if args is not None else None
+        value = json.loads(done) if done is not None else {}
         return m.group(1), value if isinstance(value, dict) else {}
 
     def _parse(self, region: str) -> list[Call] | None:
@@ -650,120 +392,6 @@ def _object_start(region: str) -> int:
 _SOFT_STARTS = ("{", "```")
 _FENCE_OPEN = re.compile(r"```[A-Za-z]*[ \t]*\n?[ \t\r\n]*")
 MAX_HELD = 64 * 1024  # a "{" that opens no object this long after is text
-
-
-def _brackets(text: str, start: int = 0) -> tuple[list[tuple[int, str]], bool]:
-    """The brackets of `text` from `start` that stand outside JSON strings (escapes
-    respected), and whether the text ends inside a string."""
-    out: list[tuple[int, str]] = []
-    in_string = escaped = False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[]}":
-            out.append((i, ch))
-    return out, in_string
-
-
-def _object_end(text: str, start: int) -> int | None:
-    """The index after the JSON object opening at `start`, None while it is not closed."""
-    depth = 0
-    for i, ch in _brackets(text, start)[0]:
-        depth += 1 if ch in "{[" else -1
-        if depth == 0:
-            return i + 1
-    return None
-
-
-def _close_json(text: str) -> str:
-    """Cut-off JSON completed so that it parses: an open string and the open objects and
-    arrays are closed; a dangling key or comma is dropped."""
-    scan = _JsonScan().scan(text)
-    out = text + ('"' if scan.in_string else "")
-    out = re.sub(r'(,\s*"[^"]*"\s*:?\s*|,\s*|:\s*)$', "", out.rstrip())
-    if out.rstrip().endswith(":"):
-        out = out.rstrip()[:-1]
-    return out + scan.closers()
-
-
-class _JsonScan:
-    """How far a JSON text has got, scanned once from its start and then onwards: open
-    containers, strings, and where an object member whose key has no ":" yet begins
-    (its comma, or just after its object's "{")."""
-
-    def __init__(self) -> None:
-        self.pos = 0
-        self.containers: list[str] = []
-        self.in_string = self.escaped = False
-        self.member: int | None = None
-
-    def copy(self) -> _JsonScan:
-        other = _JsonScan()
-        other.pos, other.containers = self.pos, list(self.containers)
-        other.in_string, other.escaped, other.member = self.in_string, self.escaped, self.member
-        return other
-
-    def closers(self) -> str:
-        """What closes the containers still open, innermost first."""
-        return "".join("}" if c == "{" else "]" for c in reversed(self.containers))
-
-    def scan(self, text: str) -> _JsonScan:
-        for i in range(self.pos, len(text)):
-            ch = text[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.containers.append(ch)
-                self.member = i + 1 if ch == "{" else None
-            elif ch in "}]":
-                if self.containers:
-                    self.containers.pop()
-                self.member = None
-            elif ch == ",":
-                in_object = bool(self.containers) and self.containers[-1] == "{"
-                self.member = i if in_object else None
-            elif ch == ":":
-                self.member = None
-        self.pos = max(self.pos, len(text))
-        return self
-
-
-def _unfinished_key(text: str) -> int | None:
-    """Where `text` (JSON cut short) ends in an object member whose key has no ":" yet,
-    None if it does not (see _JsonScan)."""
-    return _JsonScan().scan(text).member
-
-
-def _completed(text: str) -> str | None:
-    """JSON cut short, with the least appended that makes it parse (a string closed, a
-    dangling key given null, the open brackets closed); None if nothing will do."""
-    for extra in ("", '"', " null", '": null'):
-        t = text + extra
-        scan = _JsonScan().scan(t)
-        if scan.in_string:
-            continue
-        candidate = t + scan.closers()
-        try:
-            json.loads(candidate)
-        except ValueError:
-            continue
-        return candidate
-    return None
 
 
 def _event(call: Call) -> ToolCallEvent:
