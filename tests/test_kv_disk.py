@@ -5,6 +5,7 @@ Qwen) are in tests/test_kv_disk_daemon.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from barrel.engine.kvdisk import (
     Saved,
     SaveTo,
     chain,
+    model_states,
 )
 from barrel.engine.model import LlamaModel
 from barrel.engine.types import GREEDY, EngineRequest
@@ -96,6 +99,58 @@ async def test_a_conversation_goes_on_after_its_engine_stops(
         plain.stop()
     assert reused == 0
     assert again == expected
+
+
+async def test_a_state_read_from_disk_never_stops_the_other_sequences(
+    model: LlamaModel, tmp_path: Path
+) -> None:
+    """A saved state's file is read off the engine thread: while it is slow to read (a
+    FIFO, written when the test says so), a running sequence keeps decoding; the
+    request whose state it is starts once the bytes are in, restored from them."""
+    disk = KVDisk(tmp_path / "kv", 1 << 30)
+    first = _prompt(model, 80, 7)
+    warm = _engine(model, disk)
+    try:
+        answer, _ = await _turn(warm, first)
+    finally:
+        warm.stop()
+    [path] = list((tmp_path / "kv").glob(f"*{SUFFIX}"))
+    content = path.read_bytes()
+    e = _engine(model, KVDisk(tmp_path / "kv", 1 << 30))  # its index read from the headers
+    path.unlink()
+    os.mkfifo(path)  # opening it for reading waits for the test to write it
+
+    def fill() -> None:
+        with path.open("wb") as f:
+            f.write(content)
+
+    filled: asyncio.Future[None] | None = None
+    try:
+        other = e.submit(EngineRequest(_prompt(model, 20, 8), GREEDY, max_tokens=300))
+        await anext(other)
+        follow = [*first, *answer, *_prompt(model, 10, 9)]
+        restoring = e.submit(EngineRequest(follow, GREEDY, max_tokens=4))
+
+        async def tokens(n: int) -> int:
+            seen = 0
+            async for event in other:
+                seen += len(getattr(event, "tokens", ()))
+                if seen >= n:
+                    break
+            return seen
+
+        # safety net only: a step that waited for the file would never come
+        assert await asyncio.wait_for(tokens(40), 120) >= 40
+        assert restoring.backlog == 0  # not admitted while its state is read
+        filled = asyncio.ensure_future(asyncio.to_thread(fill))
+        _, done = await restoring.collect()
+        await filled
+        assert done.usage.prompt_reused >= len(first)  # restored from the file
+        other.cancel()
+    finally:
+        if filled is None:  # unblock a reader that waits for the file, whatever failed
+            threading.Thread(target=fill, daemon=True).start()
+        e.stop()
 
 
 async def test_another_scope_never_restores_a_state(model: LlamaModel, tmp_path: Path) -> None:
@@ -188,10 +243,9 @@ async def test_another_models_state_is_refused_and_removed(
             plain.stop()
         # as after a restart: the index read from the files
         to = SaveTo(KVDisk(tmp_path / "kv", 1 << 30), "qwen", "sha256:qwen")
-        e = Engine(qwen, OPTS, name="qwen", save_to=to).start()
-        assert e.kv.disk is not None
         [path] = list((tmp_path / "kv").glob(f"*{SUFFIX}"))
-        _rewrite_header(path, fingerprint=e.kv.disk.fingerprint)
+        _rewrite_header(path, fingerprint=model_states(to, qwen.path, OPTS, OPTS.n_ctx).fingerprint)
+        e = Engine(qwen, OPTS, name="qwen", save_to=to).start()
         try:
             got, reused = await _turn(e, prompt)
             gone = not path.exists()

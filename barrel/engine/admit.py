@@ -39,6 +39,10 @@ def check_media(req: EngineRequest, projector: Projector | None) -> None:
 
 
 class Admission:
+    """Owns the step's admission: waiting requests take sequences (the slot manager attaches
+    their reusable prefix), a prompt already whole in the KV gets its first token without a
+    decode, and images and audio windows are evaluated into their sequences."""
+
     def __init__(
         self,
         shared: Shared,
@@ -56,12 +60,14 @@ class Admission:
         waiting = self.roster.waiting
         while waiting:
             run = waiting[0]
+            reuse = not run.req.prompt_logprobs
+            if reuse and self.kv.free_slots() and not self._restorable(run):
+                break  # its saved state is being read (not here): the others go on
             choice = self.kv.choose(run.req.prompt, run.req.session, run.req.scope)
             if choice is None:
                 break
             waiting.popleft()
             slot, lcp = choice
-            reuse = not run.req.prompt_logprobs
             run.admitted = time.monotonic()
             # Parked sequences leave before this one's cells are placed: a state restored
             # from the cache then lands in the cells they held, low in the KV, not above
@@ -86,6 +92,13 @@ class Admission:
             if logits is not None and not run.prefilling:
                 self._first_from_kept(run, logits)
         self.delivery.flush()
+
+    def _restorable(self, run: Run) -> bool:
+        """Whether every saved state `run` could restore is at hand: False while a disk
+        state holding more of its prompt than the context does is read, off this thread
+        (barrel.engine.states); the reader wakes the engine when it is done."""
+        prompt, scope = run.req.prompt, run.req.scope
+        return self.kv.states.ready(prompt, scope, self.kv.held(prompt, scope))
 
     def _first_from_kept(self, run: Run, logits: np.ndarray) -> None:
         """The prompt is whole in the slot with the logits that followed it: the first
@@ -136,5 +149,5 @@ class Admission:
                         )
                         break
             if run.slot is not None:
-                run.slot.tokens.extend([token] * n_pos)
+                self.kv.placed(run.slot, [token] * n_pos)
                 run.n_past += n_pos

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class KVType(StrEnum):
+    """The KV cache's element type (llama.cpp's cache_type_k/v)."""
+
     F16 = "f16"
     Q8_0 = "q8_0"
     Q4_0 = "q4_0"
@@ -46,12 +48,17 @@ _POOLING = {
 
 @dataclass(frozen=True)
 class LoraAdapter:
+    """A LoRA adapter file and its load-time scale."""
+
     path: Path
     scale: float = 1.0
 
 
 @dataclass(frozen=True)
 class EngineOptions:
+    """Everything that shapes one engine's llama_context and its scheduling, fixed for the
+    engine's life."""
+
     n_ctx: int = 4096
     n_batch: int = 512
     n_ubatch: int = 512

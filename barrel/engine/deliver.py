@@ -24,9 +24,12 @@ from barrel.values import TokenLogprob
 
 
 class Delivery:
+    """Owns what a decoded step brings each run: sampled tokens, logprobs, kept logits,
+    finishes and failures, batched into one wake-up of the event loop per step (`flush`)."""
+
     def __init__(self, shared: Shared, rows: LogitRows, roster: Roster, turns: NextTurns) -> None:
         self.ctx, self.model, self.options = shared.ctx, shared.model, shared.options
-        self.n_ctx, self.observer = shared.n_ctx, shared.observer
+        self.n_ctx, self.observer, self.kv = shared.n_ctx, shared.observer, shared.kv
         self.rows, self.roster, self.turns = rows, roster, turns
         self._dirty: dict[RequestId, Run] = {}  # runs with events to deliver this step
 
@@ -41,7 +44,8 @@ class Delivery:
             if run.logit_rows:
                 self.prompt_logprobs(run)
             prefilled = run.prefilling
-            run.advance(n_tokens)
+            assert run.slot is not None
+            self.kv.placed(run.slot, run.advance(n_tokens))
             if index >= 0 and run.req.max_tokens == 0:
                 self.finish(run, FinishReason.LENGTH)  # the prompt only (its logprobs)
             elif index >= 0:

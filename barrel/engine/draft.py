@@ -39,6 +39,9 @@ class Want:
 
 
 class DraftModel:
+    """A small draft model of the target's vocabulary, with its own context: owns that
+    context and proposes draft tokens for the generating sequences."""
+
     def __init__(
         self, draft: LlamaModel, target: LlamaModel, opts: EngineOptions, n_ctx: int
     ) -> None:

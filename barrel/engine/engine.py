@@ -64,6 +64,7 @@ from barrel.engine.run import Run
 from barrel.engine.sampler import LogitRows, Sampler
 from barrel.engine.shared import Shared
 from barrel.engine.slots import SlotManager
+from barrel.engine.states import SavedStates
 from barrel.engine.stream import Stream
 from barrel.engine.turns import NextTurns
 from barrel.engine.types import EngineRequest, FinishReason, RequestId
@@ -104,17 +105,18 @@ class Engine:
         self.ctx, adapters, self.projector = open_context(model, opts, self.n_ctx)
         self.verifier: Verifier | None = None
         self.loras = Loras(self.ctx, adapters, tuple(lo.scale for lo in opts.loras))
-        cache = StateCache(opts.state_cache_bytes)
+        disk = None
+        if save_to is not None and not opts.embedding:
+            disk = model_states(save_to, model.path, opts, self.n_ctx)
+            disk.disk.load_index()
+        states = SavedStates(StateCache(opts.state_cache_bytes), disk, self._resume)
         self.kv = SlotManager(
             self.ctx,
             model,
             opts.n_seq_max,
             opts.max_pins,
-            cache,
+            states,
             per_sequence=opts.kv_per_sequence and not opts.embedding,
-            disk=None
-            if save_to is None or opts.embedding
-            else model_states(save_to, model.path, opts, self.n_ctx),
         )
         self._saving: threading.Event | None = None  # the states being written
         self._batch = Batch(max(opts.n_batch, 1))
@@ -158,7 +160,7 @@ class Engine:
 
     @property
     def cache(self) -> StateCache:
-        return self.kv.cache
+        return self.kv.states.cache
 
     # -- lifecycle (any thread) -------------------------------------------------------
 
@@ -320,8 +322,9 @@ class Engine:
                 elif self.turns.due() and not roster.waiting:
                     self.turns.decode()
             self._fail_all(EngineStopped(f"engine {self.name} stopped", retry_after=1.0))
-            if self.kv.disk is not None:  # stopped, not crashed: the states go to disk
-                self._saving = self.kv.disk.save(self.kv.states())
+            disk = self.kv.states.disk
+            if disk is not None:  # stopped, not crashed: the states go to disk
+                self._saving = disk.save(self.kv.states_to_save())
         except BaseException as exc:
             logger.exception("engine %s crashed", self.name)
             self.crashed = exc
@@ -354,7 +357,8 @@ class Engine:
 
     def _has_work(self) -> bool:
         roster = self.roster
-        if roster.pinning or (roster.waiting and self.kv.free_slots()) or self.turns.due():
+        admissible = roster.waiting and self.kv.free_slots() and not self.kv.states.reading
+        if roster.pinning or admissible or self.turns.due():
             return True
         return any(runnable(r) for r in roster.active)
 

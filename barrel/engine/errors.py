@@ -6,11 +6,16 @@ from barrel.errors import BarrelError, InvalidRequest, Unavailable
 
 
 class ModelLoadError(BarrelError):
+    """A model file that llama.cpp could not load."""
+
     status = 500
     code = "model_load_failed"
 
 
 class PromptTooLong(InvalidRequest):
+    """A prompt longer than the context holds, with the counts each dialect words its error
+    from."""
+
     code = "context_length_exceeded"
 
     def __init__(self, message: str, *, tokens: int = 0, limit: int = 0) -> None:
@@ -35,6 +40,8 @@ class PromptTooLong(InvalidRequest):
 
 
 class InvalidGrammar(InvalidRequest):
+    """A grammar llguidance refused to compile."""
+
     code = "invalid_grammar"
 
 
@@ -45,6 +52,8 @@ class EngineCrashed(Unavailable):
 
 
 class EngineStopped(Unavailable):
+    """The engine was stopped (unload, shutdown) before or while the request ran."""
+
     code = "engine_stopped"
 
 

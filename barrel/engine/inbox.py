@@ -14,16 +14,22 @@ from barrel.futures import Reply
 
 @dataclass(frozen=True)
 class Submit:
+    """A request for the engine thread (`Engine.submit`)."""
+
     run: Run
 
 
 @dataclass(frozen=True)
 class Cancel:
+    """Stop a request: the client is gone."""
+
     id: RequestId
 
 
 @dataclass(frozen=True)
 class Embed:
+    """Embed these inputs and reply with one vector each."""
+
     inputs: list[list[int]]
     normalize: bool
     reply: Reply[list[list[float]]]
@@ -31,6 +37,8 @@ class Embed:
 
 @dataclass(frozen=True)
 class Pin:
+    """Keep these tokens as a pinned prefix; reply with how many are pinned."""
+
     tokens: list[int]
     reply: Reply[int]
     scope: str = ""
@@ -48,6 +56,8 @@ class Wake:
 
 
 class Stop:
+    """End the engine thread."""
+
     pass
 
 

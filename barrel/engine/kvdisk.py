@@ -16,7 +16,9 @@ then or when a restore reads it. One disk budget bounds all models together, lea
 recently used first.
 
 Thread-safe: the index is guarded by a lock and file I/O happens outside it. Writes run
-on the store's writer thread (`submit`), never on the event loop or an engine's step.
+on the store's writer thread (`submit`), reads on a reader thread of the engine's
+(barrel.engine.states), the index is built as a model loads (`load_index`): no file is
+read or hashed on the event loop or in an engine's step.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ def fingerprint(**parts: object) -> str:
 
 @dataclass
 class StateFile:
+    """One saved state on disk, as the index knows it: its file, what made it (model,
+    fingerprint, scope) and its tokens."""
+
     key: str
     path: Path
     model: str
@@ -115,6 +120,12 @@ class KVDisk:
         self._writer: threading.Thread | None = None
 
     # -- reading -------------------------------------------------------------------
+
+    def load_index(self) -> None:
+        """Build the index from the files' headers now, on the caller's thread (a model
+        being loaded), so that no engine step waits for it."""
+        with self._lock:
+            self._index()
 
     def best(
         self, fp: str, scope: str, prompt: list[int], min_len: int
@@ -424,26 +435,6 @@ class ModelStates:
 
     def best(self, prompt: list[int], scope: str, min_len: int) -> tuple[StateFile, int] | None:
         return self.disk.best(self.fingerprint, scope, prompt, min_len)
-
-    def restore(
-        self, prompt: list[int], scope: str, keep: int, load: Callable[[bytes], bool]
-    ) -> tuple[list[int], int] | None:
-        """The longest saved state of `prompt` past `keep` tokens, put in place by `load`:
-        (its tokens, the prefix of `prompt` they hold). None if there is none or `load`
-        refuses it (another model's state, a different layout: then it is removed)."""
-        found = self.best(prompt, scope, keep)
-        if found is None:
-            return None
-        entry, n = found
-        data = self.disk.read(entry)
-        if data is None:
-            return None
-        if not load(data):
-            logger.warning("a saved state of %s does not fit the context: removed", self.model)
-            self.disk.remove_where(lambda e: e.key != entry.key)
-            return None
-        self.disk.restored(self.model, min(n, len(prompt) - 1))
-        return entry.tokens.tolist(), n
 
     def save(self, states: list[Saved]) -> threading.Event:
         return self.disk.submit(

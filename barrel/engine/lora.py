@@ -25,6 +25,9 @@ Scales = tuple[float, ...]
 
 
 class Loras:
+    """Owns the context's LoRA adapters and the scales set on it now; a step runs sequences
+    of one setting."""
+
     def __init__(self, ctx: Any, adapters: list[Any], default: Scales) -> None:
         self.ctx = ctx
         self.adapters = adapters

@@ -110,6 +110,8 @@ def _init_backend() -> None:
 
 
 class LoadMode(StrEnum):
+    """How the weights are mapped: mmap, mlock, both or read into memory."""
+
     MMAP = "mmap"
     MLOCK = "mlock"
     MMAP_MLOCK = "mmap_mlock"
@@ -126,6 +128,8 @@ _LOAD_MODES = {
 
 @dataclass(frozen=True)
 class ModelOptions:
+    """What shapes the load of a model's weights."""
+
     n_gpu_layers: int = 0
     load_mode: LoadMode = LoadMode.MMAP
     # llama.cpp's "extra" weight buffers (CPU repack, AMX), as llama-server loads: the
@@ -164,6 +168,9 @@ def cpu_has_amx() -> bool:
 
 
 class LlamaModel:
+    """Owns one loaded llama_model and its vocabulary: tokenizing, detokenizing, pieces and
+    metadata, from any thread; freed once (`free`)."""
+
     def __init__(self, path: Path, handle: ll.llama_model_p, opts: ModelOptions) -> None:
         self.path = path
         self.handle = handle

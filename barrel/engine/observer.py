@@ -34,6 +34,8 @@ class EngineObserver(Protocol):
 
 
 class NoObserver:
+    """An observer that records nothing (tests, benches)."""
+
     def occupancy(self, active: int, kv_cells: int, busy_cells: int) -> None:
         pass
 

@@ -78,6 +78,9 @@ def _seq(run: Run) -> int:
 
 
 class Planner:
+    """Owns the filling of each step's batch: one token and drafts per generating sequence,
+    prompt chunks within the step's budget, pinned prefixes; returns the `Step` it filled."""
+
     def __init__(
         self,
         shared: Shared,

@@ -21,6 +21,9 @@ def runnable(run: Run) -> bool:
 
 
 class Roster:
+    """Owns who is waiting, active and pinning, and a run's release: the engine thread's
+    lists of requests."""
+
     def __init__(self, kv: SlotManager) -> None:
         self.kv = kv
         self.waiting: deque[Run] = deque()
@@ -46,7 +49,7 @@ class Roster:
         """Pinned prefixes' `rows` of a step are in their sequences: a prefix done is
         idle, ready to share."""
         for job, n_tokens in rows:
-            job.slot.tokens.extend(job.tokens[job.n_past : job.n_past + n_tokens])
+            self.kv.placed(job.slot, job.tokens[job.n_past : job.n_past + n_tokens])
             job.n_past += n_tokens
             if job.n_past == len(job.tokens):
                 self.pinning.remove(job)

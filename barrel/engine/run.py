@@ -17,6 +17,9 @@ from barrel.values import TokenLogprob, Usage
 
 @dataclass
 class Run:
+    """One request's progress in the engine: its slot, what of its prompt is in the KV, its
+    sampler, the token to decode next and the events for its stream."""
+
     id: RequestId
     req: EngineRequest
     stream: Stream
@@ -54,20 +57,22 @@ class Run:
     def prefilling(self) -> bool:
         return self.n_past < len(self.req.prompt)
 
-    def advance(self, n_tokens: int) -> None:
-        """The run's `n_tokens` rows of a step are decoded: its slot holds them."""
+    def advance(self, n_tokens: int) -> list[int]:
+        """The run's `n_tokens` rows of a step are decoded: the tokens its slot now holds
+        after what it held (the slot manager records them: SlotManager.placed)."""
         assert self.slot is not None
         if self.prefilling:
             start = self.n_past
-            self.slot.tokens.extend(self.req.prompt[start : start + n_tokens])
+            placed = self.req.prompt[start : start + n_tokens]
             self.n_past += n_tokens
             if not self.prefilling:
                 self.prefill_done = time.monotonic()
-        else:
-            assert self.pending is not None
-            self.slot.tokens.append(self.pending)
-            self.n_past += 1
-            self.pending = None
+            return placed
+        assert self.pending is not None
+        placed = [self.pending]
+        self.n_past += 1
+        self.pending = None
+        return placed
 
     def add_token(
         self, model: LlamaModel, token: int, logprob: TokenLogprob | None

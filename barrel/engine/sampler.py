@@ -67,6 +67,9 @@ def _token_ids(n_vocab: int) -> np.ndarray:
 
 
 class Sampler:
+    """Owns one sequence's llama.cpp sampler chain and its grammar constraint: picks the
+    next token from a row of logits."""
+
     def __init__(
         self,
         model: LlamaModel,

@@ -14,6 +14,9 @@ from barrel.engine.slots import SlotManager
 
 @dataclass(frozen=True)
 class Shared:
+    """What every room of a step reads: the context, the model, the options, the batch and
+    the slot manager (the only way to the KV cells)."""
+
     ctx: Any  # the llama_context
     model: LlamaModel
     options: EngineOptions

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp as ll
 import numpy as np
 
-from barrel.engine.kvcache import Slot, StateCache, common_prefix
-from barrel.engine.kvdisk import BLOCK, ModelStates, Saved
+from barrel.engine.kvcache import Slot, common_prefix
+from barrel.engine.kvdisk import BLOCK, Saved
 from barrel.engine.model import LlamaModel
+from barrel.engine.states import SavedStates
 
 logger = logging.getLogger(__name__)
 
@@ -48,23 +50,25 @@ def runs_of(ids: set[int]) -> int:
 
 
 class SlotManager:
+    """Owns the KV cells and each sequence's token list: which sequence a request runs on,
+    what of its prompt is there already, saves and restores (barrel.engine.states), and
+    every llama_memory_* call."""
+
     def __init__(
         self,
         ctx: Any,
         model: LlamaModel,
         n_seq: int,
         n_pins: int,
-        cache: StateCache,
+        states: SavedStates,
         *,
         per_sequence: bool = False,
-        disk: ModelStates | None = None,
     ) -> None:
         self.ctx = ctx
-        self.disk = disk  # states saved when the model last stopped (barrel.engine.kvdisk)
+        self.states = states  # sequences saved out of the context (RAM and disk)
         self.per_sequence = per_sequence  # a KV stream of its own for each sequence
         self.mem = ll.llama_get_memory(ctx)
         self.model = model
-        self.cache = cache
         self.slots = [Slot(i) for i in range(n_seq)]
         self.pins = [Slot(n_seq + i, pinned=True) for i in range(n_pins)]
         # Whether sequences may share each other's prefixes (partial copies and removals
@@ -123,7 +127,7 @@ class SlotManager:
             return runs_of(running | {seq})
 
         others = [
-            s for s in self.free_slots() if s is not slot and (not s.tokens or self.cache.enabled)
+            s for s in self.free_slots() if s is not slot and (not s.tokens or self.states.can_save)
         ]
         if not running or not others:
             return slot, lcp
@@ -158,7 +162,7 @@ class SlotManager:
         now = runs_of(running)
         if now <= 1:
             return None
-        free = [s for s in self.free_slots() if not s.tokens or self.cache.enabled]
+        free = [s for s in self.free_slots() if not s.tokens or self.states.can_save]
         best: tuple[tuple[int, bool, float, int], Slot, Slot] | None = None
         for src in busy:
             for dst in free:
@@ -268,6 +272,11 @@ class SlotManager:
             return None
         return kept[1] if kept[0] == tuple(prompt) else None
 
+    def placed(self, slot: Slot, tokens: Sequence[int]) -> None:
+        """A decode put `tokens` into `slot`'s sequence, after what it held: the slot's
+        token list follows its cells (this room is the only one that edits it)."""
+        slot.tokens.extend(tokens)
+
     def release(self, slot: Slot) -> None:
         slot.busy = False
         slot.touch()
@@ -370,13 +379,13 @@ class SlotManager:
 
     def save(self, slot: Slot) -> bool:
         """Put the slot's state in the state cache; False if it did not take it."""
-        if not self.cache.enabled or not slot.tokens:
+        if not self.states.can_save or not slot.tokens:
             return False
-        data = self._state_of(slot, self.cache.ram_bytes)
+        data = self._state_of(slot, self.states.cache.ram_bytes)
         if data is None:
             return False
-        self.cache.put(list(slot.tokens), slot.session, data, slot.scope, slot.prompt_logits)
-        return True
+        tokens = list(slot.tokens)
+        return self.states.save(tokens, slot.session, data, slot.scope, slot.prompt_logits)
 
     def _state_of(self, slot: Slot, limit: int | None = None) -> bytes | None:
         """The slot's sequence state (llama_state_seq_get_data), None if empty, failed or
@@ -442,49 +451,31 @@ class SlotManager:
             return False
         return True
 
+    def held(self, prompt: list[int], scope: str) -> int:
+        """The longest prefix of `prompt` a sequence or pinned prefix of `scope` holds."""
+        held = [common_prefix(s.tokens, prompt) for s in self.slots + self.pins if s.scope == scope]
+        return max(held, default=0)
+
     def _restore(self, slot: Slot, prompt: list[int], keep: int, scope: str) -> int:
-        """Load the longest saved state of `prompt` longer than `keep` into `slot`, from
-        the state cache or the disk; returns the prefix of `prompt` it holds (0: none)."""
-        found = self.cache.best(prompt, keep, scope) if self.cache.enabled else None
-        if self.disk is not None:
-            got = self._restore_from_disk(slot, prompt, max(keep, found[2] if found else 0), scope)
-            if got:
-                return got
+        """Load the longest saved state of `prompt` longer than `keep` into `slot` (from
+        RAM, or read from disk beforehand: SavedStates.ready); returns the prefix of
+        `prompt` it holds (0: none)."""
+        found = self.states.best(prompt, keep, scope)
         if found is None:
             return 0
-        key, saved, n = found
-        data = self.cache.take(key)
+        data = self.states.take(found)
         if data is None:
             return 0
         if not self._load(slot, data):
-            logger.warning("restoring a cached sequence state failed; recomputing")
-            slot.tokens = []
+            self.states.refused(found)
+            self._drop(slot)
             return 0
-        slot.tokens = list(saved.tokens)
-        slot.prompt_logits = saved.logits
-        return n
+        self.states.restored(found, prompt)
+        slot.tokens = list(found.tokens)
+        slot.prompt_logits = found.logits
+        return found.n
 
-    def _restore_from_disk(self, slot: Slot, prompt: list[int], keep: int, scope: str) -> int:
-        assert self.disk is not None
-        tried = []
-
-        def load(data: bytes) -> bool:
-            tried.append(True)
-            return self._load(slot, data)
-
-        try:
-            got = self.disk.restore(prompt, scope, keep, load)
-        except Exception:  # a saved state never takes the engine down
-            logger.exception("restoring a saved state of %s failed", self.disk.model)
-            got = None
-        if got is None:
-            if tried:  # the sequence was emptied for it
-                self._drop(slot)
-            return 0
-        slot.tokens, slot.prompt_logits = got[0], None
-        return got[1]
-
-    def states(self) -> list[Saved]:
+    def states_to_save(self) -> list[Saved]:
         """What the context and the state cache hold, to write to disk as the engine
         stops: every sequence and pinned prefix of at least a block of tokens, and the
         cache's entries."""
@@ -494,7 +485,5 @@ class SlotManager:
                 data = self._state_of(slot)
                 if data is not None:
                     out.append(Saved(slot.scope, tuple(slot.tokens), data))
-        for scope, tokens, data in self.cache.entries():
-            if len(tokens) >= BLOCK:
-                out.append(Saved(scope, tokens, data))
+        out += [st for st in self.states.entries() if len(st.tokens) >= BLOCK]
         return out

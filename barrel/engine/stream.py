@@ -25,6 +25,9 @@ HIGH_WATER = 256
 
 
 class Stream:
+    """One request's events from the engine thread to the event loop: bounded, paused when
+    the reader falls behind, cancelled when the reader leaves."""
+
     def __init__(
         self,
         request_id: RequestId,

@@ -46,6 +46,9 @@ class Turn(NamedTuple):
 
 
 class NextTurns:
+    """Owns the next-turn work: the end of turn and the next user header decoded into parked
+    sequences while the engine has nothing else to do."""
+
     def __init__(self, shared: Shared, loras: Loras, quiet: Callable[[], bool]) -> None:
         self.ctx, self.model, self.options = shared.ctx, shared.model, shared.options
         self.n_ctx, self.batch, self.kv = shared.n_ctx, shared.batch, shared.kv
@@ -133,7 +136,7 @@ class NextTurns:
         self.steps += 1
         self.dropped += len(turns) - len(taken)
         for t in taken:
-            t.slot.tokens.extend(t.tokens)
+            self.kv.placed(t.slot, t.tokens)
             self.observer.next_turn(len(t.tokens))
 
     def _decode_idle(self) -> int:

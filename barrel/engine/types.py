@@ -54,6 +54,9 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @dataclass(frozen=True)
 class EngineRequest:
+    """What the engine runs: a prompt's tokens, sampling, limits, the KV session and scope,
+    media, and the next turn's tokens."""
+
     prompt: list[int]
     sampling: SamplingParams = GREEDY
     max_tokens: int | None = None  # None: until EOG or the context is full
@@ -83,6 +86,8 @@ class EngineRequest:
 
 
 class FinishReason(StrEnum):
+    """Why a sequence ended."""
+
     STOP = "stop"  # end-of-generation token or a stop string
     LENGTH = "length"  # max_tokens or the context is full
     CANCELLED = "cancelled"
@@ -100,6 +105,8 @@ class Delta:
 
 @dataclass(frozen=True)
 class Timings:
+    """Where one request's time went, in seconds."""
+
     queued_s: float
     prefill_s: float
     decode_s: float
@@ -114,6 +121,9 @@ class Timings:
 
 @dataclass(frozen=True)
 class Done:
+    """The last event of a request: why it ended, its usage and timings, and every token it
+    generated."""
+
     finish_reason: FinishReason
     usage: Usage
     timings: Timings

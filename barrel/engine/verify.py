@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 
 class Verifier:
+    """Owns speculative decoding's plan and check: draft tokens for generating sequences,
+    and how many of them a step's logits accept."""
+
     def __init__(self, shared: Shared, delivery: Delivery) -> None:
         model, options, n_ctx = shared.model, shared.options, shared.n_ctx
         self.options, self.n_ctx, self.kv = options, n_ctx, shared.kv
@@ -129,7 +132,7 @@ class Verifier:
         for j, token in enumerate(draft):
             if run.slot is None or run.pending != token:
                 break
-            run.slot.tokens.append(token)  # already decoded at this position
+            self.kv.placed(run.slot, [token])  # already decoded at this position
             run.n_past += 1
             run.pending = None
             kept += 1
@@ -148,7 +151,7 @@ class Verifier:
             self.delivery.force(run, token)
             if run.slot is None or run.pending != token:
                 break  # the run ended (max_tokens, a stop string, the grammar's end)
-            run.slot.tokens.append(token)  # already decoded at this position
+            self.kv.placed(run.slot, [token])  # already decoded at this position
             run.n_past += 1
             run.pending = None
             taken += 1
