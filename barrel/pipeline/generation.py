@@ -405,7 +405,7 @@ async def _prepared(
     elif req.raw is not None and req.raw.context:
         session.check_tokens(list(req.raw.context), "context")
         prep = dataclasses.replace(prep, prompt=[*req.raw.context, *prep.prompt], static_prefix=0)
-    if req.dialect is Dialect.OLLAMA:
+    if req.truncate:
         prep = _fit(prep, session.n_ctx, max_tokens)
     return chat, prep
 

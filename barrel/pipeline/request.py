@@ -219,6 +219,9 @@ class ApiRequest(msgspec.Struct, frozen=True, kw_only=True):
     # where the messages do), or the final assistant message left open and continued
     generation_prompt: bool = True
     continue_final: bool = False
+    # a prompt longer than the context is cut to fit, its oldest tokens after the first
+    # few dropped (Ollama's way), instead of refused
+    truncate: bool = False
     raw: RawPrompt | None = None
     completion: Completion | None = None  # OpenAI's completions (then `messages` is empty)
 

@@ -51,6 +51,7 @@ def test_chat_and_generate_decode_into_the_neutral_request() -> None:
         )
     )  # fmt: skip
     assert req.dialect is Dialect.OLLAMA
+    assert req.truncate  # a prompt longer than the context is cut, not refused
     assert req.messages == (
         Message(role="user", parts=(ImagePart(data=b"\x89PNG"), TextPart("What is this?"))),
         Message(role="assistant", tool_calls=(ToolCall("call00000a", "look", {"at": "it"}),)),

@@ -90,6 +90,7 @@ def test_a_conversation_with_tools_decodes_into_the_neutral_request() -> None:
         None,
     )
     assert req.dialect is Dialect.OPENAI
+    assert not req.truncate  # a prompt longer than the context is a 400
     assert req.messages == (
         text("system", "Be brief."),
         Message(role="user", parts=(TextPart("Weather in "), TextPart("Paris?"))),

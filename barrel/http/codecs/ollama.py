@@ -261,6 +261,7 @@ def _common(body: _Body, messages: tuple[Message, ...], **more: Any) -> ApiReque
     return ApiRequest(
         model=body.model,
         dialect=Dialect.OLLAMA,
+        truncate=True,
         messages=messages,
         format=_format(body.format),
         options=options_of(body.options),
