@@ -125,7 +125,7 @@ class ModelDefaults(_Section, frozen=True):
     # prefix (as llama-server's -np, Ollama's num_ctx x OLLAMA_NUM_PARALLEL), instead of
     # one num_ctx cache they share (false): that much more memory, faster prefills and
     # follow-up turns on a CPU, and greedy answers depend on how tokens were batched more
-    # often (guides/performance.md). "auto": true for a model that runs on the CPU with
+    # often (bench/NOTEBOOK.md). "auto": true for a model that runs on the CPU with
     # plain attention (no sliding window, no recurrent state), as long as the memory it
     # adds neither refuses the load nor unloads another model (memory-aware loading) nor
     # exceeds the memory free at load.
@@ -133,7 +133,7 @@ class ModelDefaults(_Section, frozen=True):
     speculation: str = "ngram"  # ngram (prompt-lookup drafts) | off
     # true: load weights into llama.cpp's extra (CPU repack) buffers, as llama-server
     # does: faster prompts, but a greedy answer then depends on how many sequences
-    # shared its steps (guides/performance.md). "auto": true unless the daemon is
+    # shared its steps (bench/NOTEBOOK.md). "auto": true unless the daemon is
     # batch-invariant ([models] batch_invariant). Never on a CPU with AMX, true
     # included: the pinned llama.cpp build crashes with them there.
     extra_buffers: bool | Literal["auto"] = "auto"

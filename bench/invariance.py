@@ -16,7 +16,7 @@ greedily three times:
 
 It counts the prompts whose repeat, or whose drafted answer, differs from the first
 answer. Nothing here is timed. llama.cpp's CPU kernels round differently by the number
-of rows a step has (see guides/performance.md, "Batch invariance"), so a count above
+of rows a step has (see bench/NOTEBOOK.md, "Batch invariance"), so a count above
 zero means near ties flipped, not a bug in the engine.
 """
 

@@ -11,7 +11,7 @@ a `--prompt`-token prompt in the plan's chunks (one `llama_decode` each). Plans 
 interleaved, `--reps` times, and the cells they add are removed after each; the medians
 (seconds to read the whole prompt) print as a Markdown table. ggml's CPU flash attention
 takes 64 query rows of a KV stream or more in tiles and fewer row by row, at a cost a
-row that grows with the cells attended (guides/performance.md, "Issue 45, day three").
+row that grows with the cells attended (bench/NOTEBOOK.md, "Issue 45, day three").
 """
 
 from __future__ import annotations

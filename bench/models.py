@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.models
 
 Uses llama-cpp-python's high-level `Llama` with `use_extra_bufts = False` (see
-guides/performance.md, "AMX"). Prints one line per model: file size, load seconds,
+bench/NOTEBOOK.md, "AMX"). Prints one line per model: file size, load seconds,
 prompt and generated tokens per second over 128 greedy tokens (median of 3 runs).
 """
 

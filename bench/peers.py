@@ -146,7 +146,7 @@ def start_llama_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """llama-server on `model`; on a CPU with AMX without its repacked weights, which
     the pinned llama.cpp puts in AMX buffers and then dies on (SIGILL), as Barrel's
-    `extra_buffers = "auto"` leaves them off there (guides/performance.md, "AMX")."""
+    `extra_buffers = "auto"` leaves them off there (bench/NOTEBOOK.md, "AMX")."""
     port = free_port()
     command = [str(llama_server()), "-m", str(model), "--port", str(port)]
     command += ["-c", str(ctx * PARALLEL), "-np", str(PARALLEL), "--jinja", *extra]

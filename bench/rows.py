@@ -10,7 +10,7 @@ Three sequences each hold `--context` cells; a token continuing sequence 0 is de
 alone, again alone, beside a token of sequence 1, and beside tokens of sequences 1 and
 2 (each step's cells removed after it). Nothing here is timed. The CPU flash-attention
 kernel takes a lone query row over 512 cells or more in KV chunks, one per thread, and
-any other shape whole (guides/performance.md, "Which kernel paths break invariance").
+any other shape whole (bench/NOTEBOOK.md, "Which kernel paths break invariance").
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
     params.n_threads_batch = threads
     params.type_k = _KV_TYPES[opts.kv_type]
     params.type_v = _KV_TYPES[opts.kv_type]
-    # auto: on wherever the backend has it, the CPU included (guides/performance.md,
+    # auto: on wherever the backend has it, the CPU included (bench/NOTEBOOK.md,
     # "Long prompts": faster prompts, ~50 ms slower short follow-ups)
     params.flash_attn_type = _FLASH[opts.flash_attn]
     params.kv_unified = unified

@@ -55,7 +55,7 @@ def log_callback() -> object:
 # every product of 8 rows or more: 15-30 % faster prefill chunks of Qwen2.5-Coder-0.5B
 # on two cores, ~10 % slower steps of eight streams, and it rounds differently from the
 # per-row dot products, so a row's logits depend on whether 7 other rows share its step
-# (guides/performance.md, "The tiled K-quant matmul" and "Long prompts"). ggml reads the
+# (bench/NOTEBOOK.md, "The tiled K-quant matmul" and "Long prompts"). ggml reads the
 # variable once, at its first matmul: a process-wide choice (`configure_kernels`).
 TILED_MATMUL_ENV = "GGML_CPU_TILED_MM"
 # The environment's word on `configure_kernels` (1: batch-invariant, 0: llama.cpp's
@@ -137,7 +137,7 @@ class ModelOptions:
     # ~7-10 % faster prefill of Qwen2.5-Coder-0.5B on two cores with the tiled matmul
     # off, and steps of eight streams ~5-10 % faster with it on (TILED_MATMUL_ENV). The
     # repacked kernels round a row differently by how many rows share the step, so a
-    # greedy answer depends on what else runs beside it (guides/performance.md). None:
+    # greedy answer depends on what else runs beside it (bench/NOTEBOOK.md). None:
     # on unless the process is batch-invariant (`configure_kernels`). Never on a CPU
     # with AMX, where the 0.3.36 build crashes in llama_decode with them.
     extra_buffers: bool | None = False
@@ -193,7 +193,7 @@ class LlamaModel:
         )
         # token -> its bytes (plain, special) and whether it ends generation: every
         # generated token asks for both, and a Python dict lookup is a fraction of a
-        # ctypes call right after a decode (guides/performance.md)
+        # ctypes call right after a decode (bench/NOTEBOOK.md)
         self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
         self._eog: dict[int, bool] = {}
         self._freed = False
@@ -215,7 +215,7 @@ class LlamaModel:
         if opts.extra_buffers and not params.use_extra_bufts:
             logger.warning(
                 "%s: extra weight buffers left off: the CPU has AMX, where llama.cpp "
-                '0.3.36 crashes with them (guides/performance.md, "AMX")',
+                '0.3.36 crashes with them (bench/NOTEBOOK.md, "AMX")',
                 path.name,
             )
         params.vocab_only = opts.vocab_only

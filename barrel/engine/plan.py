@@ -61,7 +61,7 @@ FINISH_ROWS = 128
 # query rows; fewer (a prompt's last few rows, a draft) take its row-by-row kernel, whose
 # cost a row grows with the cells attended: 20 ms a row at 1,024 cells against 6 ms in
 # tiles (Qwen2.5-Coder-0.5B, 2 cores), so a 30-row tail after 1,170 rows cost 0.5 s of
-# its prompt's first token (guides/performance.md). No chunk leaves fewer for later,
+# its prompt's first token (bench/NOTEBOOK.md). No chunk leaves fewer for later,
 # and with a KV stream per sequence one row more (TAIL_ROWS): beside generating
 # sequences llama.cpp's equal split puts a chunk's first row in their micro-batch, so a
 # tail of 64 rows read beside them was 1 + 63 rows, 1.5 s where a tile reads in 0.46 s.

@@ -31,7 +31,7 @@ class LogitRows:
     """Numpy views of a context's logits rows, cached by address.
 
     A row's view made anew through `np.ctypeslib.as_array` cost 71 us in the daemon,
-    right after a decode, against 35 us for a lookup here (guides/performance.md). A
+    right after a decode, against 35 us for a lookup here (bench/NOTEBOOK.md). A
     context's rows sit at the same few addresses step after step. A view is only the
     address and `n_vocab`, and it is looked up only at an address llama.cpp has just
     returned for a row, so a reused entry is always the row itself. Valid until the next

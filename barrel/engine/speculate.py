@@ -99,7 +99,7 @@ class NgramDrafter:
 # which runs on every row with logits, and every draft row has logits. Measured on
 # Qwen 0.5B, 2 cores, a 600-cell context, every token with logits: 4 tokens 62 ms, 5
 # tokens 82-86, 8 86, 16 116, 17 134-143, 48 306-315, 49 322-345 (a prefill, logits on
-# its last row only, shows almost none of it: guides/performance.md). A step's drafts
+# its last row only, shows almost none of it: bench/NOTEBOOK.md). A step's drafts
 # are trimmed to make it a multiple of ALIGN.
 ALIGN = 4
 
