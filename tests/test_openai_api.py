@@ -468,6 +468,18 @@ async def test_completions_stream_and_fill_in_the_middle(aclient: openai.AsyncOp
         temperature=0,
     )
     assert "a + b" in fim.choices[0].text
+    # Ollama's suffix builds the same fill-in-the-middle prompt: the same answer from
+    # the same prompt tokens (one place builds a prompt without a chat template)
+    other = ollama.AsyncClient(host=str(aclient.base_url).removesuffix("/v1/"))
+    same = await other.generate(
+        model="qwen",
+        prompt="def add(a, b):\n    ",
+        suffix="\n\nprint(add(1, 2))\n",
+        options={"temperature": 0, "num_predict": 8, "repeat_penalty": 1.0},
+    )
+    assert same.response == fim.choices[0].text
+    assert fim.usage is not None
+    assert same.prompt_eval_count == fim.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError) as ids:
         await aclient.completions.create(model="qwen", prompt=[1, 2], suffix="y", max_tokens=2)
     assert "suffix needs the prompt as text" in ids.value.message

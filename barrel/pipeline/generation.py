@@ -36,7 +36,15 @@ from barrel.pipeline.chat import ChatRequest, Prepared
 from barrel.pipeline.events import ChatEvent
 from barrel.pipeline.families import detect_family
 from barrel.pipeline.formats import check_size, format_grammar
-from barrel.pipeline.request import ApiRequest, Dialect, Message, TextPart, Tool, ToolChoice
+from barrel.pipeline.request import (
+    ApiRequest,
+    Completion,
+    Dialect,
+    Message,
+    TextPart,
+    Tool,
+    ToolChoice,
+)
 from barrel.pipeline.servertools import Toolbox
 from barrel.pipeline.session import derive_session
 from barrel.pipeline.templates import ChatTemplate
@@ -242,15 +250,15 @@ def _session(model: str, messages: list[dict[str, Any]], req: ApiRequest) -> Ses
     return SessionId(f"{req.scope}/{session}") if req.scope else session
 
 
-def _raw_prompt(session: ModelAccess, req: ApiRequest) -> list[int] | None:
+async def _raw_prompt(session: ModelAccess, req: ApiRequest) -> list[int] | None:
+    """Ollama's prompt given whole (`raw`) or as a fill-in-the-middle prefix (`suffix`):
+    its tokens as a completion's prompt becomes tokens (barrel.pipeline.complete, the
+    one place a prompt without a chat template is tokenized), in a worker thread."""
     raw = req.raw
-    if raw is None:
+    if raw is None or not (raw.raw or raw.suffix):
         return None
-    if raw.suffix:
-        return session.fim_prompt(raw.prompt, raw.suffix)
-    if raw.raw:
-        return session.tokenize(raw.prompt, add_special=True)
-    return None
+    given = Completion(prompts=(raw.prompt,), suffix=raw.suffix)
+    return (await asyncio.to_thread(complete.tokens, session, given))[0]
 
 
 async def start(
@@ -372,7 +380,7 @@ async def _prepared(
         tools = with_server_tools(req.tools, toolbox)
     _check_choice(req.tool_choice, tools)
     sampling, max_tokens, stop = _sampling(session, req)
-    verbatim = _raw_prompt(session, req)
+    verbatim = await _raw_prompt(session, req)
     template = VERBATIM if verbatim is not None else await session.template()
     thinking, kwargs = thinking_of(req, template)
     budget = req.reasoning_budget or EFFORT_BUDGETS.get(req.reasoning_effort or "", DEFAULT_BUDGET)
