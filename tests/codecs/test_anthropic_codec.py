@@ -260,6 +260,12 @@ def test_mcp_servers_of_the_wrong_shape_are_400s() -> None:
         [{"type": "stdio", "name": "w"}],
         [{"type": "url"}],
         [{"name": "w"}, {"name": "w"}],
+        # a disabled server is checked too, and counting tokens checks like messages
+        [{"type": "url", "tool_configuration": {"enabled": False}}],
+        [{"name": "w", "tool_configuration": {"enabled": False, "allowed_tools": [""]}}],
     ):
-        with pytest.raises(InvalidRequest, match="mcp_servers"):
-            codec.decode(body(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}], mcp_servers=servers), counting=False)  # fmt: skip
+        for counting in (False, True):
+            with pytest.raises(InvalidRequest, match="mcp_servers"):
+                codec.decode(body(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}], mcp_servers=servers), counting=counting)  # fmt: skip
+    req, _ = codec.decode(body(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}], mcp_servers=[{"name": "w", "tool_configuration": {"enabled": False}}]), counting=True)  # fmt: skip
+    assert req.servers == ()  # disabled: not used

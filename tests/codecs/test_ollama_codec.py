@@ -166,3 +166,11 @@ def test_api_chat_names_tool_servers_and_returns_their_calls() -> None:
     }
     assert [line["message"]["server_tool_calls"] for line in wire(lines)] == [[record]]
     assert enc.full()["message"]["server_tool_calls"] == [record]
+
+
+def test_a_created_model_s_messages_need_a_role_and_content() -> None:
+    ok = codec.decode_create(body(model="m", **{"from": "tiny"}, messages=[{"role": "user", "content": "hi"}]))  # fmt: skip
+    assert ok.roles_and_contents == (("user", "hi"),)
+    for message in ({"role": "user"}, {"content": "hi"}, {"role": "user", "content": 3}):
+        with pytest.raises(InvalidRequest, match="messages"):
+            codec.decode_create(body(model="m", **{"from": "tiny"}, messages=[message]))

@@ -89,6 +89,13 @@ def decode_body(raw: bytes, kind: type[Any]) -> Any:
 # -- model management -------------------------------------------------------------------
 
 
+class CreateMessage(msgspec.Struct):
+    """A message a created model starts its conversations with (Modelfile MESSAGE)."""
+
+    role: str
+    content: str
+
+
 class CreateBody(msgspec.Struct, kw_only=True):
     """/api/create's body (Ollama's fields)."""
 
@@ -102,7 +109,7 @@ class CreateBody(msgspec.Struct, kw_only=True):
     system: str | None = None
     license: str | list[str] | None = None
     parameters: dict[str, Any] | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[CreateMessage] | None = None
     quantize: str | None = None
     stream: bool = True
 
@@ -113,11 +120,7 @@ class CreateBody(msgspec.Struct, kw_only=True):
 
     @property
     def roles_and_contents(self) -> tuple[tuple[str, str], ...]:
-        return tuple(
-            (str(m.get("role", "")), str(m.get("content", "")))
-            for m in self.messages or ()
-            if isinstance(m, dict)
-        )
+        return tuple((m.role, m.content) for m in self.messages or ())
 
 
 def decode_create(raw: bytes) -> CreateBody:

@@ -30,7 +30,9 @@ def _names(value: Any, param: str) -> tuple[str, ...] | None:
     if not isinstance(value, list) or len(value) > MAX_ALLOWED:
         raise InvalidRequest(f"{param}: a list of at most {MAX_ALLOWED} tool names", param=param)
     if not all(isinstance(v, str) and 0 < len(v) <= MAX_NAME for v in value):
-        raise InvalidRequest(f"{param}: every tool name is a string", param=param)
+        raise InvalidRequest(
+            f"{param}: every tool name is a string of 1 to {MAX_NAME} characters", param=param
+        )
     return tuple(value)
 
 
@@ -102,15 +104,13 @@ def anthropic_servers(value: Any) -> tuple[ServerUse, ...]:
         config = item.get("tool_configuration") or {}
         if not isinstance(config, dict):
             raise InvalidRequest(f"{param}.tool_configuration: an object", param=param)
-        if config.get("enabled") is False:
-            continue
-        uses.append(
-            ServerUse(
-                _name(item.get("name"), f"{param}.name"),
-                url=_url(item.get("url"), f"{param}.url"),
-                tools=_names(config.get("allowed_tools"), f"{param}.allowed_tools"),
-            )
+        use = ServerUse(
+            _name(item.get("name"), f"{param}.name"),
+            url=_url(item.get("url"), f"{param}.url"),
+            tools=_names(config.get("allowed_tools"), f"{param}.allowed_tools"),
         )
+        if config.get("enabled") is not False:  # a disabled server is checked, not used
+            uses.append(use)
     return _unique(uses, "mcp_servers")
 
 
