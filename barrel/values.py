@@ -60,3 +60,4 @@ class LoadedModel:
     active: int  # leases held
     running: int  # requests admitted
     queued: int  # requests waiting in the model's queue
+    draining: bool = False  # an unload was asked for: it comes when its requests end

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import jsonschema
 import ollama
 import pytest
@@ -275,3 +281,95 @@ def test_the_weather_prompt_is_a_tool_call_at_temperature_0_8(daemon: Daemon) ->
     calls = [[c.function.name for c in m.tool_calls or []] for m in answers]
     missed = [m for m, c in zip(answers, calls, strict=True) if c != ["get_weather"]]
     assert len(missed) <= 1, missed
+
+
+def _loads(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    m = re.search(r'^barrel_model_loads_total\{model="qwen"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _unload(how: str, url: str) -> None:
+    if how == "http":
+        r = httpx.post(url + "/api/generate", json={"model": "qwen", "keep_alive": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["done_reason"] == "unload"
+    elif how == "sdk":
+        assert (
+            ollama.Client(host=url, timeout=60).generate("qwen", keep_alive=0).done_reason
+            == "unload"
+        )
+    else:
+        env = {**os.environ, "BARREL_HOST": url}
+        cli = [sys.executable, "-m", "barrel", "stop", "qwen"]
+        out = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stderr
+        assert "stopping 'qwen'" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("how", ["http", "sdk", "cli"])
+def test_an_unload_answers_at_once_while_clients_chat_and_the_model_loads_again(
+    daemon: Daemon, how: str
+) -> None:
+    """Three clients loop short chats on Qwen and a fourth holds a long stream: an
+    unload (Ollama's keep_alive 0, the SDK's, `barrel stop`) answers while that stream
+    still runs, /api/ps says the model drains, the model unloads once the requests in
+    flight end, and the chats that came meanwhile load it again. No request fails."""
+    url = daemon.url
+    stop = threading.Event()
+    answered = [0, 0, 0]
+    errors: list[BaseException] = []
+    changed = threading.Condition()
+
+    def chatter(i: int) -> None:
+        c = ollama.Client(host=url, timeout=300)
+        while not stop.is_set():
+            try:
+                r = c.chat(
+                    model="qwen",
+                    messages=[{"role": "user", "content": f"Count from {i} to {i + 5}."}],
+                    options={"num_predict": 8, "temperature": 0},
+                )
+                assert r.done
+            except BaseException as exc:  # noqa: BLE001 - every failure is the test's
+                errors.append(exc)
+                return
+            with changed:
+                answered[i] += 1
+                changed.notify_all()
+
+    def each_answered(more_than: list[int]) -> None:
+        with changed:  # the wait's timeout is a safety net, not a bound
+            got = changed.wait_for(
+                lambda: errors or all(a > b for a, b in zip(answered, more_than, strict=True)),
+                timeout=600,
+            )
+        assert not errors, errors
+        assert got, answered
+
+    held = {**{"model": "qwen", "stream": True}, "messages": QUESTION}
+    held["options"] = {"num_predict": 4000, "temperature": 0}
+    chatters = [threading.Thread(target=chatter, args=(i,)) for i in range(3)]
+    try:
+        with httpx.stream("POST", url + "/api/chat", json=held, timeout=300) as stream:
+            assert json.loads(next(stream.iter_lines()))["done"] is False
+            loads = _loads(url)  # the model is loaded: it answers the held stream
+            for t in chatters:
+                t.start()
+            each_answered([0, 0, 0])
+            _unload(how, url)  # answered while the held stream runs
+            ps = httpx.get(url + "/api/ps", timeout=30).json()["models"]
+            [qwen] = [m for m in ps if m["name"].startswith("qwen")]
+            assert qwen["state"] == "draining"
+            assert qwen["expires_at"] is not None
+            before = list(answered)
+        # the held stream ends (its client left): the model unloads when the chats in
+        # flight end, and the chats that came meanwhile load it again and are answered
+        each_answered(before)
+    finally:
+        stop.set()
+        for t in chatters:
+            if t.is_alive():
+                t.join(300)
+    assert errors == []
+    assert _loads(url) == loads + 1  # one load after the unload, whatever waited for it

@@ -3,7 +3,9 @@
 The unload timer arms only when a model's active count reaches zero, so no model is
 unloaded in the middle of a request; when the timer fires the count is checked again in
 this actor (a request may have started since). keep_alive: seconds, negative = forever,
-0 = unload now (the caller unloads and waits for it).
+0 = unload now (the caller unloads and waits for it). An unload asked for while requests
+run (`drain`) makes the model expire now: it unloads when the last of them ends, and no
+request's own keep_alive takes that back.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from barrel.actors.timers import Timer, Timers
 
 @dataclass
 class Activity:
+    """One model's requests in flight and when it may go."""
+
     active: int = 0
     last_active: float = 0.0  # time.time() of the last release
     keep_alive: float = 300.0
     expires_at: float | None = None  # time.time(); None while active or kept forever
     generation: int = 0
     timer: Timer | None = None
+    draining: bool = False  # an unload was asked for: it comes when the last request ends
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,8 @@ class Keepalive(Child):
         a = self._models.setdefault(model, Activity(keep_alive=self.default))
         a.active += 1
         a.generation += 1
-        a.expires_at = None
+        if not a.draining:
+            a.expires_at = None
         if a.timer is not None:
             a.timer.cancel()
             a.timer = None
@@ -72,19 +78,21 @@ class Keepalive(Child):
         a = self._models.setdefault(model, Activity(keep_alive=self.default))
         a.active = max(0, a.active - 1)
         a.last_active = time.time()
-        if keep_alive is not None:
+        if keep_alive is not None and not a.draining:
             a.keep_alive = keep_alive
         if a.active > 0:
             return False
         a.generation += 1
         if a.keep_alive == 0:
+            a.draining = False  # the caller unloads it now
             return True
         self._arm(model, a)
         return False
 
-    def unload_when_idle(self, model: str) -> bool:
+    def drain(self, model: str) -> bool:
         """keep_alive 0 without a request (Ollama's unload): True if the model is idle
-        now (the caller unloads it); otherwise its last request's release will say so."""
+        now (the caller unloads it); otherwise it drains: it expires now, and its last
+        request's release says to unload it."""
         a = self._models.get(model)
         if a is None:
             return True
@@ -92,8 +100,12 @@ class Keepalive(Child):
         if a.timer is not None:
             a.timer.cancel()
             a.timer = None
-        a.expires_at = None
-        return a.active == 0
+        if a.active == 0:
+            a.expires_at = None
+            return True
+        a.draining = True
+        a.expires_at = time.time()
+        return False
 
     def loaded(self, model: str, keep_alive: float | None) -> None:
         """A model finished loading (possibly with no request: a preload)."""
@@ -124,13 +136,13 @@ class Keepalive(Child):
             a.timer.cancel()
             a.timer = None
         if a.active > 0:
-            a.keep_alive, a.expires_at = self.default, None
+            a.keep_alive, a.expires_at, a.draining = self.default, None, False
             return
         del self._models[model]
 
     def snapshot(self) -> dict[str, Activity]:
         return {
-            k: Activity(v.active, v.last_active, v.keep_alive, v.expires_at)
+            k: Activity(v.active, v.last_active, v.keep_alive, v.expires_at, draining=v.draining)
             for k, v in self._models.items()
         }
 

@@ -6,6 +6,11 @@ Order matters: the request takes its place in the model's FIFO queue, then count
 active for keep-alive (so no timer can unload the model under it), then waits for the
 load. `release` undoes it in reverse; with keep_alive 0 it returns only once the model is
 unloaded.
+
+An unload asked for while the model is busy (`drain`) answers at once: the requests in
+flight and in its queue finish, the last one's release unloads it, and a request that
+comes meanwhile waits for that unload at the door (`_after_drain`) and loads the model
+again: no request waits behind a stream of new ones, none sees more than one load.
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ class Lifecycle:
         self._queued: dict[str, int] = {}
         # Unloads asked for while the model served others, by model: they hear when its
         # last request ended and the model went (loop thread only).
-        self._idle_unloads: dict[str, list[asyncio.Future[bool]]] = {}
+        # models draining (loop thread): set once the model is unloaded
+        self._draining: dict[str, asyncio.Event] = {}
 
     # -- resolution -------------------------------------------------------------------
 
@@ -274,6 +280,7 @@ class Lifecycle:
         weight: int = 1,
     ) -> Lease:
         name = spec.name
+        await self._after_drain(name)
         admission = self.registry.get(ADMISSION)
         keepalive = self.registry.get(KEEPALIVE)
         limits = QueueLimits(spec.engine.n_seq_max, spec.queue_depth)
@@ -325,7 +332,23 @@ class Lifecycle:
         """A lease that takes no place in the model's queue: for work that does not
         generate (tokenizing, counting tokens), which must not wait behind requests that
         do. It still counts as active, so the model stays loaded under it."""
-        return await self._activate(await self.spec(model), NO_TICKET, None)
+        spec = await self.spec(model)
+        await self._after_drain(spec.name)
+        return await self._activate(spec, NO_TICKET, None)
+
+    async def _after_drain(self, name: str) -> None:
+        """A model that drains takes no new request: it waits here until the model is
+        unloaded (then loads it again), at most as long as a load may take."""
+        drained = self._draining.get(name)
+        if drained is None:
+            return
+        timeout = self.config.models.defaults.load_timeout_s
+        try:
+            await asyncio.wait_for(drained.wait(), timeout)
+        except TimeoutError:
+            raise Unavailable(
+                f"model {name} is still unloading after {timeout:.0f}s", retry_after=5.0
+            ) from None
 
     async def _activate(
         self, spec: ModelSpec, ticket: int, on_loading: Callable[[float], None] | None
@@ -375,10 +398,12 @@ class Lifecycle:
         finally:
             await self._give_back(name, ticket)
         if unload_now:
-            unloaded = await self.unload(name)
-            for waiter in self._idle_unloads.pop(name, []):
-                if not waiter.done():
-                    waiter.set_result(unloaded)
+            try:
+                await self.unload(name)
+            finally:
+                drained = self._draining.pop(name, None)
+                if drained is not None:
+                    drained.set()
 
     async def _give_back(self, name: str, ticket: int) -> None:
         if ticket == NO_TICKET:
@@ -432,6 +457,7 @@ class Lifecycle:
     async def preload(self, model: str, keep_alive: float | None = None) -> ModelSpec:
         """Load without a request (Ollama's empty prompt); the keep-alive timer starts."""
         spec = await self.spec(model)
+        await self._after_drain(spec.name)
         await self._load(spec)
         await bridge.call(self.registry.get(KEEPALIVE), Keepalive.loaded, spec.name, keep_alive)
         return spec
@@ -447,21 +473,16 @@ class Lifecycle:
         except TimeoutError:
             raise CallTimeout(f"model {name} did not unload within {LOAD_ASK_TIMEOUT}s") from None
 
-    async def unload_when_idle(self, model: str) -> bool:
-        """Ollama's unload (keep_alive 0 without a prompt): at once when the model is idle,
-        else when its last request in flight ends; the answer comes then. Another client
-        streaming from the model is not cut off."""
+    async def drain(self, model: str) -> bool:
+        """Ollama's unload (keep_alive 0 without a prompt): an idle model is unloaded now
+        (True once it is gone); a busy one drains (False at once): it unloads when the
+        requests in flight and in its queue have ended, and none is cut off."""
         name = self.config.resolve_alias(model)
-        idle = await bridge.call(self.registry.get(KEEPALIVE), Keepalive.unload_when_idle, name)
+        idle = await bridge.call(self.registry.get(KEEPALIVE), Keepalive.drain, name)
         if idle:
             return await self.unload(name)
-        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._idle_unloads.setdefault(name, []).append(waiter)
-        timeout = self.config.models.defaults.load_timeout_s
-        try:
-            return await asyncio.wait_for(waiter, timeout)
-        except TimeoutError:
-            raise CallTimeout(f"model {name} was still busy after {timeout:.0f}s") from None
+        self._draining.setdefault(name, asyncio.Event())
+        return False
 
     async def ps(self) -> list[LoadedModel]:
         """Loaded models with size, context, expiry, active and queued requests."""
@@ -485,6 +506,7 @@ class Lifecycle:
                     active=a.active if a else 0,
                     running=running,
                     queued=waiting,
+                    draining=bool(a and a.draining),
                 )
             )
         return out

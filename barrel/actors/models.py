@@ -156,8 +156,9 @@ class Models:
         await self.lifecycle.preload(model, keep_alive)
 
     async def unload(self, model: str) -> bool:
-        """Unload `model` once no request uses it (at once when idle)."""
-        return await self.lifecycle.unload_when_idle(model)
+        """Unload `model`: an idle one now (True once gone); a busy one once its requests
+        have ended, answering at once (False: it drains)."""
+        return await self.lifecycle.drain(model)
 
     async def ps(self) -> list[LoadedModel]:
         return await self.lifecycle.ps()
@@ -176,7 +177,7 @@ class Models:
                 (
                     m,
                     {
-                        "state": "busy" if m.running else "idle",
+                        "state": "draining" if m.draining else "busy" if m.running else "idle",
                         "resident_bytes": resident.get(m.name, 0),
                         "tokens_per_s": round(live.tokens_per_s(), 2) if live else 0.0,
                         "active_sequences": live.active if live else 0,

@@ -225,7 +225,11 @@ async def _embed(c: BarrelClient, args: argparse.Namespace) -> int:
 
 async def _stop(c: BarrelClient, args: argparse.Namespace) -> int:
     await c.unload(args.model)
-    out.print(f"unloaded '{args.model}'")
+    draining = [m for m in await c.ps() if m.get("state") == "draining"]
+    if any(args.model in (m["name"], m["name"].removesuffix(":latest")) for m in draining):
+        out.print(f"stopping '{args.model}': it unloads when its requests in flight end")
+    else:
+        out.print(f"unloaded '{args.model}'")
     return 0
 
 
