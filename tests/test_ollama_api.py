@@ -362,6 +362,8 @@ def test_an_unload_answers_at_once_while_clients_chat_and_the_model_loads_again(
             [qwen] = [m for m in ps if m["name"].startswith("qwen")]
             assert qwen["state"] == "draining"
             assert qwen["expires_at"] is not None
+            status = httpx.get(url + "/api/status", timeout=30).json()["models"]
+            assert [m["state"] for m in status if m["name"].startswith("qwen")] == ["draining"]
             before = list(answered)
         # the held stream ends (its client left): the model unloads when the chats in
         # flight end, and the chats that came meanwhile load it again and are answered
