@@ -102,7 +102,8 @@ class Metrics:
         self.tool_call_duration.labels(server, tool).observe(seconds)
 
     def watch_residency(self, resident: Callable[[], dict[str, int]]) -> None:
-        """barrel_inference_resident_bytes{model}, computed with mincore on each scrape."""
+        """barrel_inference_resident_bytes{model}, read from /proc/self/smaps on each
+        scrape (barrel.engine.residency.resident_bytes)."""
         self.registry.register(_ResidentCollector(resident))
 
     def engine_observer(self, model: str) -> EngineMetrics:

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import os
 import shutil
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -484,10 +485,36 @@ async def test_resident_bytes_differ_between_lazy_and_pinned(
         return after_load, await gauge()
 
     size = await asyncio.to_thread(os.path.getsize, qwen_path)
-    lazy_loaded, _ = await resident("lazy")
-    pinned_loaded, _ = await resident("pinned")
+    # Another process holds every page of the file in the page cache (as another
+    # daemon, or another test's, may): the figure is this daemon's own residency.
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        HOLD_PAGES,
+        str(qwen_path),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None
+        assert await holder.stdout.readline() == b"held\n"
+        lazy_loaded, _ = await resident("lazy")
+        pinned_loaded, _ = await resident("pinned")
+    finally:
+        holder.kill()
+        await holder.wait()
     assert lazy_loaded < size * 0.2, "lazy: nothing read ahead"
     assert pinned_loaded > size * 0.9, "pinned: everything in RAM and locked"
+
+
+HOLD_PAGES = """
+import mmap, sys
+f = open(sys.argv[1], "rb")
+m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+total = sum(m[i] for i in range(0, len(m), mmap.PAGESIZE))
+print("held", flush=True)
+sys.stdin.read()
+"""
 
 
 async def test_evictor_unloads_idle_models_under_pressure_never_busy_ones(

@@ -26,8 +26,6 @@ import os
 import threading
 from pathlib import Path
 
-import numpy as np
-
 logger = logging.getLogger(__name__)
 
 MADV_RANDOM = 1
@@ -67,13 +65,24 @@ def _resident_vector(start: int, end: int) -> bytes:
     return bytes(vec)
 
 
-def resident_bytes(path: Path) -> int:
-    """Bytes of the model's mappings currently in RAM (mincore). Vectorised: a 20 GB
-    model has 5 million pages, and `barrel top` asks every second."""
+def resident_bytes(path: Path, smaps: Path = Path("/proc/self/smaps")) -> int:
+    """Bytes of this process's mappings of the model that are in its RAM: their `Rss`
+    in /proc/self/smaps. Pages of the file that only another process keeps in the page
+    cache do not count (mincore would count them: two daemons sharing a file, or a
+    test's other daemons, would read each other's residency)."""
+    target = str(path.resolve())
     total = 0
-    for start, end in mappings(path):
-        vector = np.frombuffer(_resident_vector(start, end), dtype=np.uint8)
-        total += int(np.count_nonzero(vector & 1)) * PAGE
+    inside = False
+    try:
+        with smaps.open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line[:1].isdigit() or line[:1] in "abcdef":  # a mapping's header
+                    parts = line.split(maxsplit=5)
+                    inside = len(parts) == 6 and parts[5].rstrip("\n") == target
+                elif inside and line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
     return total
 
 
