@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8080
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint format bench clean
+.PHONY: serve test check lint format bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ $(VENV)/.stamp-test: pyproject.toml | $(PY)
 
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The edit loop: every test that needs no real model and is not a long run (markers set
+# in tests/conftest.py and on the long tests).
+check: $(VENV)/.stamp-test
+	$(PY) -m pytest -m "not real_model and not slow" $(PYTEST_ARGS)
 
 lint: $(VENV)/.stamp-dev
 	$(VENV)/bin/ruff check barrel tests bench

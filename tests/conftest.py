@@ -122,5 +122,16 @@ def llama_templates() -> Path:
     return target
 
 
+# Fixtures that bring a real model: a test that reaches one (directly or through its
+# daemon's fixture) is `real_model`, and `make check` leaves it out.
+MODEL_FIXTURES = frozenset({"qwen_path", "gemma_path"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+
+
 def pytest_report_header() -> str:
     return f"barrel model cache: {os.environ.get(bundled.CACHE_ENV) or bundled.cache_dir()}"

@@ -177,7 +177,6 @@ class Models:
                 (
                     m,
                     {
-                        "state": "draining" if m.draining else "busy" if m.running else "idle",
                         "resident_bytes": resident.get(m.name, 0),
                         "tokens_per_s": round(live.tokens_per_s(), 2) if live else 0.0,
                         "active_sequences": live.active if live else 0,

@@ -152,7 +152,7 @@ def ps_model(m: LoadedModel) -> dict[str, Any]:
         "active": m.active,
         "running": m.running,
         "queued": m.queued,
-        "state": "draining" if m.draining else "loaded",
+        "state": "draining" if m.draining else "busy" if m.running else "idle",
     }
 
 
