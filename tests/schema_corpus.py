@@ -4,18 +4,27 @@ generate — pydantic's own `model_json_schema()` (instructor, pydantic-ai), the
 SDK's strict form (`.parse(response_format=Model)`), LangChain's tool parameters
 (`with_structured_output`, `bind_tools`) — plus hand-written schemas with the keywords
 generators rarely write (`$ref` chains, `oneOf`, `allOf`, formats, `patternProperties`,
-conditionals, tuples). Each entry is (name, schema, how it is sent)."""
+conditionals, tuples). Each entry is (name, schema, how it is sent). Below them, how a
+schema is asked and what its answer must be (bench/corpus.py runs the whole corpus
+through Qwen; tests/test_structured_corpus.py reads what it recorded)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import enum
+import json
+import re
 import uuid
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import jsonschema
+import llguidance
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
+
+from barrel.pipeline.formats import json_schema_grammar
 
 
 class Color(enum.Enum):
@@ -674,3 +683,73 @@ def corpus() -> Corpus:
         if schema.get("type") == "object"
     ]
     return out
+
+
+# -- how a schema is asked, and what its answer must be --------------------------------------
+
+# Features llguidance does not implement, as its refusals name them (a 400 must name one):
+# an unimplemented keyword, a remote reference, a schema nothing satisfies. ("not" alone
+# would also match "does not exist", a reference Barrel failed to carry.)
+UNSUPPORTED = re.compile(
+    r'Unimplemented keys: \[.*"(uniqueItems|if|then|not|dependentRequired|contains)"'
+    r"|Resource '[^']*' is not present|unsatisfiable",
+    re.I,
+)
+ASK = "Give one short example that fits. Keep strings to a few words and lists to one or two items."
+ANSWERS = Path(__file__).parent / "data" / "corpus_answers.json"
+
+
+def request(schema: dict[str, Any], how: str, model: str = "qwen") -> dict[str, Any]:
+    """The chat completion that asks for a document of `schema`, as a client asks."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": ASK}],
+        "temperature": 0,
+        "max_tokens": 1000,
+    }
+    if how == "format":
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": schema},
+        }
+    else:
+        body["tools"] = [{"type": "function", "function": {"name": "fill", "parameters": schema}}]
+        body["tool_choice"] = "required"
+    return body
+
+
+def answer_text(response: dict[str, Any], how: str) -> str:
+    """The document an answer holds, as text: the content, or the call's arguments."""
+    message = response["choices"][0]["message"]
+    if how == "format":
+        return str(message["content"])
+    (call,) = message["tool_calls"]
+    return str(call["function"]["arguments"])
+
+
+def a_prefix(text: str, schema: dict[str, Any]) -> bool:
+    """Whether `text` is the start of a document the schema's grammar accepts (read
+    byte by byte by llguidance)."""
+    tokenizer = llguidance.LLTokenizer("byte")
+    matcher = llguidance.LLMatcher(tokenizer, json_schema_grammar(schema))
+    tokens = tokenizer.tokenize_bytes(text.encode())
+    return bool(matcher.try_consume_tokens(tokens) == len(tokens) and not matcher.is_error())
+
+
+def check(name: str, schema: dict[str, Any], how: str, status: int, body: dict[str, Any]) -> str:
+    """What is wrong with one answer ("" when nothing is): a 400 names an unsupported
+    feature, a 200 holds a document of the schema, or, cut at max_tokens, the start of
+    one."""
+    if status == 400:
+        message = str(body["error"]["message"])
+        return "" if UNSUPPORTED.search(message) else f"{name}: refused: {message}"
+    if status != 200:
+        return f"{name}: {status} {json.dumps(body)[:200]}"
+    if body["choices"][0]["finish_reason"] == "length":
+        text = body["choices"][0]["message"]["content"] if how == "format" else ""
+        return "" if how != "format" or a_prefix(text, schema) else f"{name}: cut off the schema"
+    try:
+        jsonschema.validate(json.loads(answer_text(body, how)), schema)
+    except (ValueError, KeyError, jsonschema.ValidationError) as exc:
+        return f"{name} ({how}): {str(exc)[:200]}"
+    return ""

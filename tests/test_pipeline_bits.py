@@ -52,3 +52,53 @@ def test_complex_go_templates_are_refused() -> None:
         with pytest.raises(UnsupportedTemplate) as info:
             go_to_jinja(go)
         assert info.value.status == 400
+
+
+def test_a_forced_call_keeps_the_references_of_its_tools_parameters() -> None:
+    """A tool whose parameters use `$defs` / `definitions` (pydantic's nested models,
+    draft-07 schemas) or refer to their own root is forced as a call whose grammar
+    resolves those references (they are read from the call's root): several tools'
+    definitions of one name stay apart."""
+    import llguidance
+
+    from barrel.pipeline.chat import ChatRequest
+    from barrel.pipeline.formats import json_schema_grammar
+    from barrel.pipeline.prompt import forced_schema
+    from barrel.pipeline.request import Tool, ToolChoice
+
+    node = {"type": "object", "properties": {"v": {"type": "string"}}, "required": ["v"]}
+    a = Tool(
+        "a",
+        "",
+        {
+            "$defs": {"n": node},
+            "type": "object",
+            "properties": {"x": {"$ref": "#/$defs/n"}},
+            "required": ["x"],
+        },
+    )
+    b = Tool(
+        "b",
+        "",
+        {
+            "definitions": {"n": {"type": "integer"}},
+            "type": "object",
+            "properties": {"y": {"$ref": "#/definitions/n"}, "z": {"$ref": "#/properties/y"}},
+            "required": ["y", "z"],
+        },
+    )
+    schema = forced_schema(ChatRequest([], tools=(a, b), tool_choice=ToolChoice("required")))
+    assert schema is not None
+    tokenizer = llguidance.LLTokenizer("byte")
+    matcher = llguidance.LLMatcher(tokenizer, json_schema_grammar(schema))
+    assert not matcher.is_error(), matcher.get_error()
+
+    def reads(text: str) -> bool:
+        m = llguidance.LLMatcher(tokenizer, json_schema_grammar(schema))
+        tokens = tokenizer.tokenize_bytes(text.encode())
+        return m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()
+
+    assert reads('{"name": "a", "arguments": {"x": {"v": "hi"}}}')
+    assert reads('{"name": "b", "arguments": {"y": 1, "z": 2}}')
+    assert not reads('{"name": "b", "arguments": {"y": "1", "z": 2}}')  # b's n, not a's
+    assert not reads('{"name": "a", "arguments": {"x": 3}}')

@@ -1,8 +1,9 @@
 """Structured output through the daemon, on Qwen2.5-Coder-0.5B: every field clients ask
 for it by (OpenAI's, llama-server's, vLLM's, Anthropic's; chat and completions), a
-corpus of real-world schemas each answered with a valid document or refused with a 400
-naming what is unsupported, and schemas built to be expensive that neither hang nor
-hold back another client's request."""
+sample of the corpus of real-world schemas each answered with a valid document or
+refused with a 400 naming what is unsupported (the whole corpus: bench/corpus.py, and
+tests/test_structured_corpus.py without a model), and schemas built to be expensive
+that neither hang nor hold back another client's request."""
 
 from __future__ import annotations
 
@@ -17,19 +18,12 @@ from typing import Any
 import anthropic
 import httpx
 import jsonschema
-import llguidance
 import openai
 import pytest
 from pydantic import BaseModel
 
-from barrel.pipeline.formats import json_schema_grammar
 from tests.daemon import Daemon, serve_models
-from tests.schema_corpus import corpus
-
-# Features llguidance does not implement, as its refusals name them (a 400 must name one).
-UNSUPPORTED = re.compile(
-    r"uniqueItems|if|then|not|dependentRequired|contains|Resource|unsatisfiable", re.I
-)
+from tests.schema_corpus import check, corpus, request
 
 
 @pytest.fixture(scope="module")
@@ -166,42 +160,16 @@ def test_forced_tokens_are_counted(daemon: Daemon) -> None:
 
 # -- the corpus ----------------------------------------------------------------------------
 
-CORPUS = corpus()
-ASK = "Give one short example that fits. Keep strings to a few words and lists to one or two items."
+# Every 14th schema of the corpus through Qwen (15 of them: pydantic, strict and LangChain
+# forms, hand-written keywords, a refusal); the whole corpus runs in bench/corpus.py, and
+# tests/test_structured_corpus.py reads all of its recorded answers without a model.
+SAMPLE = corpus()[::14]
 
 
-async def _ask(
-    client: httpx.AsyncClient, url: str, schema: dict[str, Any], how: str
-) -> httpx.Response:
-    body: dict[str, Any] = {
-        "model": "qwen",
-        "messages": [{"role": "user", "content": ASK}],
-        "temperature": 0,
-        "max_tokens": 1000,
-    }
-    if how == "format":
-        body["response_format"] = {
-            "type": "json_schema",
-            "json_schema": {"name": "x", "schema": schema},
-        }
-    else:
-        body["tools"] = [{"type": "function", "function": {"name": "fill", "parameters": schema}}]
-        body["tool_choice"] = "required"
-    return await client.post(url + "/v1/chat/completions", json=body, timeout=600)
-
-
-def _document(r: httpx.Response, how: str) -> Any:
-    message = r.json()["choices"][0]["message"]
-    if how == "format":
-        return json.loads(message["content"])
-    (call,) = message["tool_calls"]
-    return json.loads(call["function"]["arguments"])
-
-
-# ~4 minutes of Qwen decoding on a 2-core box that decodes ~50 tok/s; some decode ~28
-@pytest.mark.timeout(1200)
-def test_a_corpus_of_real_world_schemas_is_answered_or_refused(daemon: Daemon) -> None:
-    assert len(CORPUS) >= 200
+# ~1 minute of Qwen decoding on a 2-core box
+@pytest.mark.timeout(900)
+def test_a_sample_of_real_world_schemas_is_answered_or_refused(daemon: Daemon) -> None:
+    assert len(SAMPLE) >= 15
 
     async def all_of() -> list[httpx.Response]:
         gate = asyncio.Semaphore(4)
@@ -209,47 +177,19 @@ def test_a_corpus_of_real_world_schemas_is_answered_or_refused(daemon: Daemon) -
 
             async def one(schema: dict[str, Any], how: str) -> httpx.Response:
                 async with gate:
-                    return await _ask(client, daemon.url, schema, how)
+                    url = daemon.url + "/v1/chat/completions"
+                    return await client.post(url, json=request(schema, how), timeout=600)
 
-            return await asyncio.gather(*(one(s, how) for _, s, how in CORPUS))
+            return await asyncio.gather(*(one(s, how) for _, s, how in SAMPLE))
 
     answers = asyncio.run(all_of())
-    failures, refused, cut = [], 0, 0
-    for (name, schema, how), r in zip(CORPUS, answers, strict=True):
-        if r.status_code == 400:
-            refused += 1
-            message = r.json()["error"]["message"]
-            if not UNSUPPORTED.search(message):
-                failures.append(f"{name}: refused without naming the feature: {message}")
-            continue
-        if r.status_code != 200:
-            failures.append(f"{name}: {r.status_code} {r.text[:200]}")
-            continue
-        if r.json()["choices"][0]["finish_reason"] == "length":
-            # max_tokens reached (a small greedy model repeating itself): what it wrote
-            # follows the schema as far as it goes
-            cut += 1
-            if how == "format" and not _a_prefix(
-                r.json()["choices"][0]["message"]["content"], schema
-            ):
-                failures.append(f"{name}: cut short off the schema")
-            continue
-        try:
-            jsonschema.validate(_document(r, how), schema)
-        except (ValueError, KeyError, jsonschema.ValidationError) as exc:
-            failures.append(f"{name} ({how}): {str(exc)[:200]}")
+    failures = [
+        f
+        for (name, schema, how), r in zip(SAMPLE, answers, strict=True)
+        if (f := check(name, schema, how, r.status_code, r.json()))
+    ]
     assert not failures, "\n".join(failures)
-    assert refused < len(CORPUS) // 10  # the unsupported keywords only
-    assert cut <= len(CORPUS) // 30, cut
-
-
-def _a_prefix(text: str, schema: dict[str, Any]) -> bool:
-    """Whether `text` is the start of a document the schema's grammar accepts (read
-    byte by byte by llguidance)."""
-    tokenizer = llguidance.LLTokenizer("byte")
-    matcher = llguidance.LLMatcher(tokenizer, json_schema_grammar(schema))
-    tokens = tokenizer.tokenize_bytes(text.encode())
-    return bool(matcher.try_consume_tokens(tokens) == len(tokens) and not matcher.is_error())
+    assert any(r.status_code == 200 for r in answers)
 
 
 # -- expensive schemas -----------------------------------------------------------------------

@@ -39,25 +39,69 @@ def template_tools(tools: tuple[Tool, ...]) -> list[dict[str, Any]]:
     ]
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    return {
+def _call_schema(tool: Tool, n: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The schema of a call of `tool`, and the definitions its arguments use. A `$ref` is
+    read from the root of the schema the grammar compiles, the call (or the choice of
+    calls), not from the arguments': the parameters' `$defs` / `definitions` go to that
+    root as `t<n>_<name>`, and each reference into the parameters with them (one into the
+    parameters' own root, "#" or "#/properties/...", through `t<n>_root`)."""
+    prefix = f"t{n}_"
+    params = dict(tool.parameters)
+    defs: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        given = params.pop(key, None)
+        if isinstance(given, dict):
+            defs.update({prefix + name: sub for name, sub in given.items()})
+    rooted = False
+
+    def moved(node: Any) -> Any:
+        nonlocal rooted
+        if isinstance(node, list):
+            return [moved(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if key in ("const", "enum", "default", "examples"):
+                out[key] = value  # data, not schema
+            elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                parts = value[1:].split("/", 3)  # "", "$defs", name, rest
+                if len(parts) >= 3 and parts[1] in ("$defs", "definitions"):
+                    out[key] = "/".join(["#", "$defs", prefix + parts[2], *parts[3:]])
+                else:
+                    rooted = True
+                    out[key] = f"#/$defs/{prefix}root{value[1:]}"
+            else:
+                out[key] = moved(value)
+        return out
+
+    arguments = moved(params)
+    defs = {name: moved(sub) for name, sub in defs.items()}
+    if rooted:
+        defs[prefix + "root"] = arguments
+    call = {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "properties": {"name": {"const": tool.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+    return call, defs
 
 
-def _forced_schema(req: ChatRequest) -> dict[str, Any] | None:
+def forced_schema(req: ChatRequest) -> dict[str, Any] | None:
     """The schema of the call a forced tool choice writes (the choice was checked
-    against the tools by barrel.pipeline.generation.check)."""
+    against the tools by barrel.pipeline.generation.check), the tools' definitions at
+    its root."""
     mode = req.tool_choice.mode
     if not req.tools or mode in ("auto", "none"):
         return None
     if mode == "required":
-        options = [_call_schema(t) for t in req.tools]
-        return options[0] if len(options) == 1 else {"anyOf": options}
-    return _call_schema(next(t for t in req.tools if t.name == req.tool_choice.name))
+        calls = [_call_schema(t, n) for n, t in enumerate(req.tools)]
+    else:
+        calls = [_call_schema(next(t for t in req.tools if t.name == req.tool_choice.name))]
+    defs = {name: sub for _, d in calls for name, sub in d.items()}
+    schema = calls[0][0] if len(calls) == 1 else {"anyOf": [c for c, _ in calls]}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def _call_grammar(
@@ -112,7 +156,7 @@ def prepare(
     inside messages plain text (see `_tokenize_prompt`). `read_media` is the model's
     projector (None: it reads neither images nor audio)."""
     _refuse_images(req.messages)
-    forced = _forced_schema(req)
+    forced = forced_schema(req)
     tools = template_tools(req.tools) if req.tool_choice.mode != "none" else []
     kwargs = dict(req.template_kwargs)
     if req.thinking is not None:

@@ -67,6 +67,7 @@ def config_with(tmp: Path, ids: list[str]) -> Path:
 
 # the run is about 4 minutes on 2 busy cores (its coverage phase sends 5,000 requests,
 # some generating to the end of the context): more than the suite's 300 s per test
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_schemathesis_finds_the_daemon_true_to_its_contract(live: Live, tmp_path: Path) -> None:
     config = config_with(tmp_path, stored_responses(live, 16))
