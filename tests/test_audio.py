@@ -160,6 +160,7 @@ def test_responses_take_an_input_audio_part(daemon: Daemon) -> None:
     assert r.usage.input_tokens >= plain.usage.input_tokens + WINDOW_TOKENS
 
 
+@pytest.mark.slow
 def test_transcriptions_in_every_format_and_streamed(daemon: Daemon) -> None:
     client = _openai(daemon)
     clip = tone_wav(1.5)

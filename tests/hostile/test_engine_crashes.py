@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from barrel.config import decode
 from tests.apps import app_for, booted
 from tests.hostile.conftest import NORMAL, Hostile, assert_4xx
@@ -28,6 +30,7 @@ def test_out_of_range_token_ids_are_a_400(hostile: Hostile) -> None:
     hostile.still_serving()
 
 
+@pytest.mark.slow
 async def test_crashing_the_engine_mid_stream_while_four_requests_arrive(
     aiohttp_client: Any, tmp_path: Path, tiny_path: Path
 ) -> None:

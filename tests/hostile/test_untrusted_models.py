@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import gguf
+import pytest
 
 from tests.hostile.conftest import Hostile, assert_4xx
 
@@ -16,6 +17,7 @@ def _create(h: Hostile, name: str, file: str) -> Any:
     return h.post("/api/create", json={"model": name, "from": file, "stream": False})
 
 
+@pytest.mark.slow
 def test_metadata_of_the_wrong_type_is_a_400_even_five_times_in_two_seconds(
     hostile: Hostile,
 ) -> None:
