@@ -132,7 +132,9 @@ def test_anthropic_s_output_config_format(daemon: Daemon) -> None:
     parsed = client.messages.parse(
         model="qwen",
         max_tokens=100,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        # the facts are in the question: the test is of the format, not of what the model
+        # knows (from memory it answered "Frankfurt" once in seven runs, a near tie)
+        messages=[{"role": "user", "content": "Paris is the capital of France. Which?"}],
         output_format=Capital,
     )
     assert parsed.parsed_output is not None
