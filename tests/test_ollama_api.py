@@ -107,6 +107,8 @@ def test_generate_streaming_and_not(client: ollama.Client) -> None:
     assert "Paris" in raw.response
     assert raw.done_reason == "length"
     assert raw.eval_count == 4
+    # the whole sequence comes back, as for a templated prompt
+    assert len(raw.context) == raw.prompt_eval_count + raw.eval_count
 
 
 def test_format_schema_output_validates(client: ollama.Client) -> None:

@@ -132,5 +132,13 @@ class Done:
     # with EngineRequest.prompt_logprobs: one per prompt token but the first
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
+    @property
+    def answer(self) -> tuple[int, ...]:
+        """The generated tokens as part of the sequence: without the end-of-generation
+        token that ended them (it never is)."""
+        if self.finish_reason is FinishReason.STOP and self.stop_sequence is None and self.tokens:
+            return self.tokens[:-1]
+        return self.tokens
+
 
 Event = Delta | Done

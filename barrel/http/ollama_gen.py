@@ -86,7 +86,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, req: ApiRequest, *, chat: bool) -> web.StreamResponse:
-    if not req.messages:
+    if not req.messages and req.completion is None:
         return await _lifecycle_only(request, req.model, req.keep_alive)
     transport = NdjsonTransport(request) if req.stream else None
     return await serve(request, req, codec.OllamaEncoder(req, chat=chat), transport)

@@ -139,9 +139,6 @@ async def run(
     # clients check for exactly that.
     cut = done.finish_reason.value == "length"
     reason = "tool_calls" if calls and not cut else done.finish_reason.value
-    answer = done.tokens
-    if done.finish_reason.value == "stop" and done.stop_sequence is None and answer:
-        answer = answer[:-1]  # the end-of-generation token, never part of the sequence
     yield Finished(
         reason,
         usage,
@@ -149,7 +146,7 @@ async def run(
         done.timings.decode_s,
         done.stop_sequence,
         tuple(pending),
-        (*prompt, *answer),
+        (*prompt, *done.answer),
     )
 
 

@@ -60,8 +60,6 @@ def check(req: ApiRequest, limits: LimitsConfig) -> None:
         raise InvalidRequest(
             f"at most {limits.max_audio_clips} audio clips are allowed in one request"
         )
-    if req.raw is not None and (req.raw.raw or req.raw.suffix):
-        raise InvalidRequest("audio needs the chat template: it cannot go with raw or suffix")
     for m in req.messages:
         if m.audio and m.role != "user":
             raise InvalidRequest(f"audio is read in user messages only, not in {m.role}")

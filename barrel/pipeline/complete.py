@@ -1,4 +1,5 @@
-"""A prompt completed as it was given: OpenAI's completions on the generation path.
+"""A prompt completed as it was given (`Completion`: OpenAI's completions, Ollama's raw
+prompt and suffix) on the generation path.
 
 No chat template and no parsing: each prompt (text, token ids, or a fill-in-the-middle
 prefix and suffix) becomes tokens, each is run `n` times (run index = prompt * n +
@@ -21,9 +22,6 @@ from barrel.engine.types import Done, EngineRequest
 from barrel.pipeline.events import ChatEvent, Finished, TextDelta
 from barrel.pipeline.request import Completion
 from barrel.values import TokenLogprob, Usage
-
-# OpenAI's default for completions, when neither the request nor the model sets a limit
-DEFAULT_MAX_TOKENS = 16
 
 
 class Vocabulary(Protocol):
@@ -94,5 +92,6 @@ async def run(
         done.timings.prefill_s,
         done.timings.decode_s,
         done.stop_sequence,
+        context=(*req.prompt, *done.answer),
         prompt_logprobs=scored,
     )

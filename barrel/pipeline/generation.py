@@ -9,8 +9,9 @@ the sampling (barrel.pipeline.sampling), renders the chat template with thinking
 request and the template want it, derives the KV session, prepares the prompt in a
 worker thread (barrel.pipeline.prompt.prepare) and starts `n` runs (barrel.pipeline.answer.
 run): the first continues the conversation's KV session, the others are new sequences.
-A completion (`req.completion`) skips the template: its prompts are tokenized as given
-and run unparsed (barrel.pipeline.complete).
+A prompt without a chat template (`req.completion`: OpenAI's completions, Ollama's raw
+prompt and suffix) skips all that: its prompts are tokenized as given and run unparsed
+(barrel.pipeline.complete).
 
 `session` is a `ModelSession` (barrel.actors), seen here through the `ModelAccess`
 protocol: the pipeline does not import the actor layer. The session hands out the model
@@ -38,7 +39,6 @@ from barrel.pipeline.families import detect_family
 from barrel.pipeline.formats import check_size, format_grammar
 from barrel.pipeline.request import (
     ApiRequest,
-    Completion,
     Dialect,
     Message,
     TextPart,
@@ -55,8 +55,6 @@ logger = logging.getLogger(__name__)
 EFFORT_BUDGETS = {"minimal": 64, "low": 256, "medium": 512, "high": 1024, "xhigh": 2048}
 DEFAULT_BUDGET = 512
 MAX_SERVERS = 16  # tool servers one request names
-# A template for prompts given whole (raw, fill-in-the-middle): the text as it is.
-VERBATIM = ChatTemplate("{{ messages[-1].content }}")
 
 
 class ModelAccess(Protocol):
@@ -250,17 +248,6 @@ def _session(model: str, messages: list[dict[str, Any]], req: ApiRequest) -> Ses
     return SessionId(f"{req.scope}/{session}") if req.scope else session
 
 
-async def _raw_prompt(session: ModelAccess, req: ApiRequest) -> list[int] | None:
-    """Ollama's prompt given whole (`raw`) or as a fill-in-the-middle prefix (`suffix`):
-    its tokens as a completion's prompt becomes tokens (barrel.pipeline.complete, the
-    one place a prompt without a chat template is tokenized), in a worker thread."""
-    raw = req.raw
-    if raw is None or not (raw.raw or raw.suffix):
-        return None
-    given = Completion(prompts=(raw.prompt,), suffix=raw.suffix)
-    return (await asyncio.to_thread(complete.tokens, session, given))[0]
-
-
 async def start(
     session: ModelAccess,
     req: ApiRequest,
@@ -303,11 +290,13 @@ async def _completion(
     assert completion is not None
     sampling, max_tokens, stop = _sampling(session, req)
     if max_tokens is None:
-        max_tokens = complete.DEFAULT_MAX_TOKENS
+        max_tokens = completion.default_max_tokens
     grammar = await asyncio.to_thread(format_grammar, req.format)  # GBNF is read in Python
     await _compile(session, grammar, limits)
     sampling = msgspec.structs.replace(sampling, grammar=grammar)
     prompts = await asyncio.to_thread(complete.tokens, session, completion)
+    if req.truncate:
+        prompts = [_fit(p, session.n_ctx, max_tokens) for p in prompts]
     echoes = await asyncio.to_thread(complete.echoes, session, completion, prompts)
     lora = lora_scales(req.lora, session.adapters)
     engine = session.engine
@@ -380,8 +369,7 @@ async def _prepared(
         tools = with_server_tools(req.tools, toolbox)
     _check_choice(req.tool_choice, tools)
     sampling, max_tokens, stop = _sampling(session, req)
-    verbatim = await _raw_prompt(session, req)
-    template = VERBATIM if verbatim is not None else await session.template()
+    template = await session.template()
     thinking, kwargs = thinking_of(req, template)
     budget = req.reasoning_budget or EFFORT_BUDGETS.get(req.reasoning_effort or "", DEFAULT_BUDGET)
     chat = ChatRequest(
@@ -408,13 +396,18 @@ async def _prepared(
     )
     prep = await _render(session, chat, template)
     await _compile(session, prep.grammar, limits)
-    if verbatim is not None:
-        prep = dataclasses.replace(prep, prompt=verbatim, static_prefix=0)
-    elif req.raw is not None and req.raw.context:
-        session.check_tokens(list(req.raw.context), "context")
-        prep = dataclasses.replace(prep, prompt=[*req.raw.context, *prep.prompt], static_prefix=0)
-    if req.truncate:
-        prep = _fit(prep, session.n_ctx, max_tokens)
+    if req.context:
+        session.check_tokens(list(req.context), "context")
+        prep = dataclasses.replace(prep, prompt=[*req.context, *prep.prompt], static_prefix=0)
+    if req.truncate and len(prep.prompt) > _budget(session.n_ctx, max_tokens):
+        if prep.media:
+            raise InvalidRequest(
+                f"the prompt with its images has {len(prep.prompt)} tokens; "
+                f"the context holds {session.n_ctx}"
+            )
+        prep = dataclasses.replace(
+            prep, prompt=_fit(prep.prompt, session.n_ctx, max_tokens), static_prefix=0
+        )
     return chat, prep
 
 
@@ -454,19 +447,17 @@ def lora_scales(
     return tuple(scales)
 
 
-def _fit(prep: Prepared, n_ctx: int, max_tokens: int | None) -> Prepared:
+def _budget(n_ctx: int, max_tokens: int | None) -> int:
+    """The tokens a truncated prompt may keep: room for the answer is kept too (Barrel
+    does not shift the context mid-answer)."""
+    return n_ctx - min(max_tokens or 256, n_ctx // 4)
+
+
+def _fit(prompt: list[int], n_ctx: int, max_tokens: int | None) -> list[int]:
     """Ollama's answer to a prompt longer than the context is to drop tokens after the
-    first NUM_KEEP (the oldest of the conversation) until it fits, not to refuse it;
-    room for the answer is kept too (Barrel does not shift the context mid-answer)."""
-    room = min(max_tokens or 256, n_ctx // 4)
-    budget = n_ctx - room
-    prompt = prep.prompt
+    first NUM_KEEP (the oldest of the conversation) until it fits, not to refuse it."""
+    budget = _budget(n_ctx, max_tokens)
     if len(prompt) <= budget:
-        return prep
-    if prep.media:
-        raise InvalidRequest(
-            f"the prompt with its images has {len(prompt)} tokens; the context holds {n_ctx}"
-        )
+        return prompt
     logger.warning("truncating a prompt of %d tokens to %d (Ollama's way)", len(prompt), budget)
-    kept = [*prompt[:NUM_KEEP], *prompt[len(prompt) - (budget - NUM_KEEP) :]]
-    return dataclasses.replace(prep, prompt=kept, static_prefix=0)
+    return [*prompt[:NUM_KEEP], *prompt[len(prompt) - (budget - NUM_KEEP) :]]

@@ -67,8 +67,6 @@ def check(req: ApiRequest, limits: LimitsConfig) -> None:
         return
     if n > limits.max_images:
         raise InvalidRequest(f"at most {limits.max_images} images are allowed in one request")
-    if req.raw is not None and (req.raw.raw or req.raw.suffix):
-        raise InvalidRequest("images need the chat template: they cannot go with raw or suffix")
     for m in req.messages:
         if m.images and m.role != "user":
             raise InvalidRequest(f"images are read in user messages only, not in {m.role}")

@@ -158,23 +158,17 @@ class Options(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         return {k: (list(v) if k == "stop" else v) for k, v in out.items() if v is not None}
 
 
-class RawPrompt(msgspec.Struct, frozen=True, kw_only=True):
-    """Ollama's /api/generate beyond a chat turn: `raw` skips the template, `suffix`
-    asks for fill-in-the-middle, `context` continues an earlier answer's tokens."""
-
-    prompt: str = ""
-    raw: bool = False
-    suffix: str = ""
-    context: tuple[int, ...] = ()
-
-
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
-    """OpenAI's completions: prompts completed as they are given, without a chat
-    template, the answer unparsed text (barrel.pipeline.complete). Each prompt (text or
-    token ids) is run `n` times: run index = prompt * n + choice."""
+    """A prompt without a chat template: OpenAI's completions, Ollama's `raw` prompt and
+    its `suffix`. Each prompt (text or token ids) is completed as it is given, the answer
+    unparsed text (barrel.pipeline.complete), and run `n` times: run index = prompt * n +
+    choice."""
 
     prompts: tuple[str | tuple[int, ...], ...]
     suffix: str = ""  # fill-in-the-middle: the text after the answer
+    # when neither the request nor the model sets max_tokens: OpenAI's 16; None (Ollama's)
+    # until the end of generation or a full context
+    default_max_tokens: int | None = 16
     echo: bool = False  # each prompt in front of its answers
     prompt_logprobs: bool = False  # score the prompt: each token's logprob (with echo)
 
@@ -222,8 +216,8 @@ class ApiRequest(msgspec.Struct, frozen=True, kw_only=True):
     # a prompt longer than the context is cut to fit, its oldest tokens after the first
     # few dropped (Ollama's way), instead of refused
     truncate: bool = False
-    raw: RawPrompt | None = None
-    completion: Completion | None = None  # OpenAI's completions (then `messages` is empty)
+    context: tuple[int, ...] = ()  # Ollama's: an earlier answer's tokens, before the prompt
+    completion: Completion | None = None  # no chat template (then `messages` is empty)
 
     @property
     def runs(self) -> int:

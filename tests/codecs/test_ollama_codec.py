@@ -18,12 +18,12 @@ from barrel.pipeline.events import (
     ToolCallEvent,
 )
 from barrel.pipeline.request import (
+    Completion,
     Dialect,
     Format,
     ImagePart,
     Message,
     Options,
-    RawPrompt,
     TextPart,
     ToolCall,
 )
@@ -64,8 +64,14 @@ def test_chat_and_generate_decode_into_the_neutral_request() -> None:
     gen, _ = codec.decode_generate(
         body(model="qwen", prompt="def f(", suffix="return 1", system="S", context=[1, 2], stream=False)
     )  # fmt: skip
-    assert gen.raw == RawPrompt(prompt="def f(", suffix="return 1", context=(1, 2))
-    assert [m.role for m in gen.messages] == ["system", "user"]
+    # a suffix (or raw) prompt has no chat template: it is a completion, as OpenAI's
+    assert gen.completion == Completion(
+        prompts=("def f(",), suffix="return 1", default_max_tokens=None
+    )
+    assert (gen.messages, gen.truncate) == ((), True)
+    chat, _ = codec.decode_generate(body(model="qwen", prompt="Hi", system="S", context=[1, 2]))
+    assert [m.role for m in chat.messages] == ["system", "user"]
+    assert (chat.context, chat.completion) == ((1, 2), None)
     load, _ = codec.decode_generate(body(model="qwen", keep_alive=0))
     assert (load.messages, load.keep_alive) == ((), 0.0)  # no prompt: load or unload
 
@@ -86,6 +92,8 @@ def test_bad_requests_are_400s() -> None:
             codec.decode_chat(raw)
     with pytest.raises(InvalidRequest, match="per-request template"):
         codec.decode_generate(body(model="m", prompt="x", template="{{ .Prompt }}"))
+    with pytest.raises(InvalidRequest, match="need the chat template"):
+        codec.decode_generate(body(model="m", prompt="x", raw=True, images=["iVBORw0KGgo="]))
 
 
 def test_a_chat_stream_ends_with_the_timings_in_nanoseconds() -> None:

@@ -1,10 +1,11 @@
 """Ollama's /api/chat and /api/generate as a codec.
 
 Bodies decode into the neutral request (options by Ollama's names, `format` as JSON or a
-schema, `think` as a switch or an effort, images as image parts, /api/generate's raw,
-suffix and context as a `RawPrompt`). Events encode as Ollama's NDJSON objects, or one
-object when `stream` is false; the last one carries the timings in nanoseconds, as
-Ollama reports them, and /api/generate's `context`.
+schema, `think` as a switch or an effort, images as image parts, /api/generate's
+`context` before the prompt; a `raw` prompt or one with a `suffix` is a `Completion`,
+run without the chat template as OpenAI's completions are). Events encode as Ollama's
+NDJSON objects, or one object when `stream` is false; the last one carries the timings
+in nanoseconds, as Ollama reports them, and /api/generate's `context`.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from barrel.pipeline.events import (
 )
 from barrel.pipeline.request import (
     ApiRequest,
+    Completion,
     Dialect,
     Format,
     ImagePart,
     Message,
     Options,
     Part,
-    RawPrompt,
     TextPart,
     Tool,
     ToolCall,
@@ -298,15 +299,18 @@ def decode_generate(raw: bytes, conversation: str | None = None) -> tuple[ApiReq
         return _common(body, ()), body
     if body.template and not body.raw and not body.suffix:
         raise InvalidRequest("a per-request template is not supported; use raw or a Modelfile")
+    if body.raw or body.suffix:
+        if body.images:
+            raise InvalidRequest(
+                "images and audio need the chat template: they cannot go with raw or suffix"
+            )
+        given = Completion(prompts=(body.prompt,), suffix=body.suffix, default_max_tokens=None)
+        return _common(body, (), completion=given, conversation=conversation), body
     messages: list[Message] = []
     if body.system is not None:
         messages.append(text("system", body.system))
-    prompt_parts = (*_images(body.images), TextPart(body.prompt))
-    messages.append(Message(role="user", parts=prompt_parts))
-    raw_prompt = RawPrompt(
-        prompt=body.prompt, raw=body.raw, suffix=body.suffix, context=tuple(body.context)
-    )
-    req = _common(body, tuple(messages), raw=raw_prompt, conversation=conversation)
+    messages.append(Message(role="user", parts=(*_images(body.images), TextPart(body.prompt))))
+    req = _common(body, tuple(messages), context=tuple(body.context), conversation=conversation)
     return req, body
 
 
