@@ -198,7 +198,14 @@ async def serve(
         ) as session:
             load_s = stamp.perf() - started
             gen = await generation.start(session, req, limits, toolbox, tools.max_rounds)
-            begin = Begin(gen.prompt_tokens, started, load_s, tuple(gen.prompt), gen.echo)
+            begin = Begin(
+                gen.prompt_tokens,
+                started,
+                load_s,
+                tuple(gen.prompt),
+                gen.echo,
+                audio.seconds(req),
+            )
             frames = encoder.begin(begin)
             if transport is not None and frames:
                 await transport.write(frames)

@@ -8,7 +8,6 @@ checked from its container (barrel.pipeline.audio) before any model is asked for
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from aiohttp import BodyPartReader, web
@@ -17,7 +16,6 @@ from barrel.errors import InvalidRequest, PayloadTooLarge
 from barrel.http.codecs import openai_audio as codec
 from barrel.http.generate import SseTransport, conversation_of, serve
 from barrel.http.keys import CONFIG
-from barrel.pipeline import audio
 from barrel.pipeline.request import AudioPart
 
 routes = web.RouteTableDef()
@@ -74,10 +72,9 @@ async def _serve(request: web.Request, task: codec.Task) -> web.StreamResponse:
     limits = request.app[CONFIG].limits
     fields, data = await read_form(request, limits.max_audio_bytes)
     form = codec.decode_form(fields, task)
-    clip, info = await asyncio.to_thread(audio.ready, AudioPart(data=data), limits)
-    req = codec.request(form, clip, conversation_of(request))
+    req = codec.request(form, AudioPart(data=data), conversation_of(request))
     transport = SseTransport(request) if form.stream else None
-    encoder = codec.AudioEncoder(form, info.seconds)
+    encoder = codec.AudioEncoder(form)
     return await serve(request, req, encoder, transport, reply=_reply(form))
 
 

@@ -282,8 +282,8 @@ def _within(clip: Clip, limits: LimitsConfig) -> None:
         )
 
 
-def ready(clip: AudioPart, limits: LimitsConfig) -> tuple[AudioPart, Clip]:
-    """Worker thread: the clip's bytes decoded (base64), checked and hashed, once."""
+def ready(clip: AudioPart, limits: LimitsConfig) -> AudioPart:
+    """Worker thread: the clip's bytes decoded (base64), checked, measured and hashed."""
     data = clip.data
     if not data:
         try:
@@ -294,11 +294,17 @@ def ready(clip: AudioPart, limits: LimitsConfig) -> tuple[AudioPart, Clip]:
     info = describe(data)
     _within(info, limits)
     digest = hashlib.sha256(data).hexdigest()
-    return AudioPart(data=data, format=info.format, digest=digest), info
+    return AudioPart(data=data, format=info.format, digest=digest, seconds=info.seconds)
+
+
+def seconds(req: ApiRequest) -> float:
+    """The length of the request's audio clips, once `load` measured them."""
+    return sum(p.seconds for m in req.messages for p in m.audio)
 
 
 async def load(req: ApiRequest, limits: LimitsConfig) -> ApiRequest:
-    """`req` with every clip's bytes decoded, bounded and hashed, off the event loop."""
+    """`req` with every clip's bytes decoded, bounded, measured and hashed, off the event
+    loop (an upload's bytes as a form's file come in `data`, not yet read)."""
     if not count(req):
         return req
     messages: list[Message] = []
@@ -308,8 +314,8 @@ async def load(req: ApiRequest, limits: LimitsConfig) -> ApiRequest:
             continue
         parts = []
         for p in m.parts:
-            if isinstance(p, AudioPart) and not p.digest:  # an upload was read already
-                p, _ = await asyncio.to_thread(ready, p, limits)
+            if isinstance(p, AudioPart) and not p.digest:
+                p = await asyncio.to_thread(ready, p, limits)
             parts.append(p)
         messages.append(msgspec.structs.replace(m, parts=tuple(parts)))
     return msgspec.structs.replace(req, messages=tuple(messages))

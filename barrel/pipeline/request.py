@@ -49,6 +49,7 @@ class AudioPart(msgspec.Struct, frozen=True, tag="audio"):
     encoded: str = ""
     format: str = ""
     digest: str = ""  # the bytes' SHA-256 (hex), set once by barrel.pipeline.audio.load
+    seconds: float = 0.0  # the clip's length, set with the digest
 
 
 Part = TextPart | ImagePart | AudioPart

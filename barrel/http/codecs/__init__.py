@@ -68,6 +68,7 @@ class Begin:
     load_s: float = 0.0  # time spent waiting for the queue and the load
     prompt: tuple[int, ...] = field(default=())
     echo: tuple[str, ...] = field(default=())  # per run, the text before its answer
+    audio_seconds: float = 0.0  # the length of the request's audio clips
 
 
 class Encoder(Protocol):

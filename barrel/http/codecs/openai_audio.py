@@ -142,10 +142,11 @@ def render(fmt: str, text: str, seconds: float) -> str:
 
 @dataclass
 class AudioEncoder:
-    """Events -> a transcription response or stream. `seconds`: the clip's length."""
+    """Events -> a transcription response or stream. `seconds`: the clip's length, known
+    at `begin`."""
 
     form: Form
-    seconds: float
+    seconds: float = 0.0
     text: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None
 
@@ -153,6 +154,7 @@ class AudioEncoder:
         return list(progress(position, loading_s))
 
     def begin(self, begin: Begin) -> list[Frame]:
+        self.seconds = begin.audio_seconds
         return []
 
     def feed(self, index: int, event: ChatEvent) -> list[Frame]:
