@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from barrel import heap
 from barrel.actors.child import Child, Exit, Link
 from barrel.engine.context import EngineOptions
 from barrel.engine.engine import Engine, EngineObserver
@@ -150,6 +151,7 @@ class EngineWorker(Child):
         if self.model is not None:
             self.model.free()
             self.model = None
+            heap.trim()  # what the model's buffers took goes back now (barrel.heap)
 
 
 class _PinAfterFirstRequest:

@@ -20,6 +20,8 @@ import pykka
 
 logger = logging.getLogger(__name__)
 
+COMPACT_AT = 64  # timers in the heap before the cancelled ones are dropped
+
 
 class Clock(Protocol):
     def monotonic(self) -> float: ...
@@ -75,6 +77,7 @@ class Timers:
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock: Clock = clock if clock is not None else SystemClock()
         self._heap: list[Timer] = []
+        self._compact_at = COMPACT_AT
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._stopped = False
@@ -134,6 +137,12 @@ class Timers:
         with self._cond:
             if self._stopped:
                 raise RuntimeError("timers are stopped")
+            if len(self._heap) >= self._compact_at:
+                # cancelled timers wait for their due time in the heap: drop them once
+                # they could be half of it (a keep-alive re-armed on every request)
+                self._heap = [t for t in self._heap if not t.cancelled]
+                heapq.heapify(self._heap)
+                self._compact_at = max(COMPACT_AT, 2 * len(self._heap))
             heapq.heappush(self._heap, timer)
             self._cond.notify_all()
         return timer

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from barrel import __version__, config
+from barrel import __version__, config, heap
 from barrel.errors import BarrelError, ConfigError, InvalidRequest
 from barrel.stacks import dump_stacks_on
 from barrel.store.local import check_gguf_file
@@ -141,6 +141,7 @@ def _apply_flags(cfg: config.Config, args: argparse.Namespace) -> config.Config:
 
 def _serve(args: argparse.Namespace) -> int:
     dump_stacks_on(signal.SIGUSR1)  # before any import below starts a thread
+    heap.limit_arenas()  # likewise (barrel.heap)
     from barrel import daemon  # the HTTP stack is only imported to serve
     from barrel.notify import setup_logging
 

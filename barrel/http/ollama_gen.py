@@ -20,6 +20,7 @@ from barrel.errors import InvalidRequest
 from barrel.http.codecs import ollama as codec
 from barrel.http.generate import NdjsonTransport, conversation_of, serve
 from barrel.http.keys import CONFIG, MODELS
+from barrel.pipeline import generation
 from barrel.pipeline.request import ApiRequest
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class LegacyEmbedBody(msgspec.Struct, kw_only=True):
     model: str = ""
     prompt: str = ""
     keep_alive: int | float | str | None = None
+    options: dict[str, Any] = msgspec.field(default_factory=dict)  # not read: no sampling
 
 
 def _keep_alive(request: web.Request, value: int | float | str | None) -> float:
@@ -87,6 +89,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, req: ApiRequest, *, chat: bool) -> web.StreamResponse:
     if not req.messages and req.completion is None:
+        generation.check(req, request.app[CONFIG].limits)  # its options too, though unused
         return await _lifecycle_only(request, req.model, req.keep_alive)
     transport = NdjsonTransport(request) if req.stream else None
     return await serve(request, req, codec.OllamaEncoder(req, chat=chat), transport)

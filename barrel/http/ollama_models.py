@@ -15,6 +15,7 @@ from aiohttp import web
 from barrel.actors.manage import NewModel
 from barrel.errors import BarrelError, CallTimeout, InvalidRequest
 from barrel.http.codecs import ollama as codec
+from barrel.http.codecs import read_body
 from barrel.http.keys import CONFIG, MODELS
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class SearchRequest(msgspec.Struct):
 async def _body(request: web.Request, kind: type[Any]) -> Any:
     raw = await request.read()
     try:
-        return msgspec.json.decode(raw or b"{}", type=kind, strict=False)
+        return read_body(raw, kind)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:

@@ -55,9 +55,10 @@ async def rerank(request: web.Request) -> web.Response:
     if not isinstance(body.query, str) or not body.query:
         raise InvalidRequest("query must be a non-empty string", param="query")
     tei = body.texts is not None and body.documents is None
-    raw = body.texts if tei else body.documents
     cap = request.app[CONFIG].limits.max_embedding_inputs
-    documents = _texts(raw, cap, "texts" if tei else "documents")
+    if body.texts is not None:
+        texts = _texts(body.texts, cap, "texts")
+    documents = texts if tei else _texts(body.documents, cap, "documents")
     if body.top_n is not None and body.top_n < 1:
         raise InvalidRequest("top_n must be at least 1", param="top_n")
     models = request.app[MODELS]

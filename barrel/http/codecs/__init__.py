@@ -13,10 +13,28 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+import msgspec
 
 from barrel.errors import BarrelError
 from barrel.pipeline.events import ChatEvent
+
+T = TypeVar("T")
+
+
+def read_body(raw: bytes, kind: type[T]) -> T:
+    """A request body as `kind`, read as leniently as the dialects' own servers read it
+    (pydantic's lax mode behind OpenAI's and Anthropic's, Go's decoder behind Ollama's):
+    a top-level field sent as null is a field not sent (OpenAI's reference marks optional
+    fields nullable; Go skips a null), a number with an empty fraction (4096.0) is an
+    integer, as JSON Schema counts it, and numbers and booleans sent as strings ("2",
+    "false") or booleans as 0 / 1 are read as what they spell. Anything else is refused:
+    msgspec.ValidationError (a DecodeError too) or DecodeError; each codec words its 400."""
+    data = msgspec.json.decode(raw or b"{}")
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if v is not None}
+    return msgspec.convert(data, type=kind, strict=False)
 
 
 @dataclass(frozen=True)

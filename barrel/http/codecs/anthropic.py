@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp, constraints
+from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp, constraints, read_body
 from barrel.http.codecs.servers import anthropic_servers, server_round
 from barrel.http.errors import error_body
 from barrel.pipeline.events import (
@@ -285,7 +285,7 @@ def decode(
     """Everything that can be checked without the model, before any queueing or
     loading (count_tokens needs no max_tokens); and the body, for the encoder."""
     try:
-        body = msgspec.json.decode(raw or b"{}", type=MessagesBody, strict=False)
+        body = read_body(raw, MessagesBody)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
     if not body.model:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import base64
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from barrel.config import keep_alive_seconds
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp
+from barrel.http.codecs import STAMP, Begin, Data, Frame, Stamp, read_body
 from barrel.http.codecs.servers import barrel_servers, call_record
 from barrel.pipeline.events import (
     ChatEvent,
@@ -79,7 +79,7 @@ class GenerateBody(_Body, kw_only=True):
 
 def decode_body(raw: bytes, kind: type[Any]) -> Any:
     try:
-        body = msgspec.json.decode(raw or b"{}", type=kind, strict=False)
+        body = read_body(raw, kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
     if not getattr(body, "model", ""):
@@ -93,7 +93,7 @@ def decode_body(raw: bytes, kind: type[Any]) -> Any:
 class CreateMessage(msgspec.Struct):
     """A message a created model starts its conversations with (Modelfile MESSAGE)."""
 
-    role: str
+    role: Literal["system", "user", "assistant"]
     content: str
 
 
@@ -126,7 +126,7 @@ class CreateBody(msgspec.Struct, kw_only=True):
 
 def decode_create(raw: bytes) -> CreateBody:
     try:
-        body = msgspec.json.decode(raw or b"{}", type=CreateBody, strict=False)
+        body = read_body(raw, CreateBody)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -180,7 +180,7 @@ def options_of(raw: dict[str, Any]) -> Options:
     if isinstance(picked.get("stop"), str):
         picked["stop"] = [picked["stop"]]
     try:
-        return msgspec.convert(picked, Options, strict=False)
+        return msgspec.convert(picked, Options, strict=False)  # "0.5" read as 0.5
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid option: {exc}") from None
 

@@ -10,7 +10,7 @@ import msgspec
 
 from barrel import __version__
 from barrel.errors import BarrelError, InvalidRequest
-from barrel.http.codecs import Comment, Data, constraints
+from barrel.http.codecs import Comment, Data, constraints, read_body
 from barrel.http.codecs.constraints import TEXT
 from barrel.http.errors import error_body
 from barrel.pipeline.request import Dialect, Format, Options
@@ -91,21 +91,16 @@ _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 def decode_json(raw: bytes, kind: type[B]) -> B:
-    """The body as `kind`; a 400 naming the field at fault (OpenAI's `param`). A field
-    sent as JSON null is a field not sent: OpenAI's reference marks the optional ones
-    nullable, and clients that send every field send `"tools": null`, `"n": null`."""
+    """The body as `kind` (barrel.http.codecs.read_body); a 400 naming the field at fault
+    (OpenAI's `param`)."""
     try:
-        data = msgspec.json.decode(raw or b"{}")
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
-    if isinstance(data, dict):
-        data = {k: v for k, v in data.items() if v is not None}
-    try:
-        body = msgspec.convert(data, type=kind, strict=False)
-    except msgspec.ValidationError as exc:
+        body = read_body(raw, kind)
+    except msgspec.ValidationError as exc:  # a DecodeError too: first
         text = str(exc)
         m = _AT.search(text)
         raise InvalidRequest(f"invalid request: {text}", param=m.group(1) if m else None) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
     if not getattr(body, "model", ""):
         raise InvalidRequest("you must provide a model parameter", param="model")
     return body

@@ -101,7 +101,8 @@ def anthropic_servers(value: Any) -> tuple[ServerUse, ...]:
         param = f"mcp_servers[{i}]"
         if not isinstance(item, dict) or item.get("type", "url") != "url":
             raise InvalidRequest(f'{param}: an object of type "url"', param=param)
-        config = item.get("tool_configuration") or {}
+        config = item.get("tool_configuration")
+        config = {} if config is None else config
         if not isinstance(config, dict):
             raise InvalidRequest(f"{param}.tool_configuration: an object", param=param)
         use = ServerUse(
@@ -109,7 +110,10 @@ def anthropic_servers(value: Any) -> tuple[ServerUse, ...]:
             url=_url(item.get("url"), f"{param}.url"),
             tools=_names(config.get("allowed_tools"), f"{param}.allowed_tools"),
         )
-        if config.get("enabled") is not False:  # a disabled server is checked, not used
+        enabled = config.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise InvalidRequest(f"{param}.tool_configuration.enabled: a boolean", param=param)
+        if enabled:  # a disabled server is checked, not used
             uses.append(use)
     return _unique(uses, "mcp_servers")
 
