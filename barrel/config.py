@@ -68,6 +68,10 @@ class LimitsConfig(_Section, frozen=True):
     # One clip's length, read from its header (and for MP3 and FLAC its frames) before
     # anything decodes it: a few kilobytes may hold hours of silence.
     max_audio_seconds: float = 600.0
+    # tokens one answer may generate, whatever the request or the model asks (beyond it
+    # the answer ends with finish_reason "length", as llama-server's --n-predict); 0:
+    # up to the context
+    max_tokens: int = 0
 
 
 class ResponsesConfig(_Section, frozen=True):
@@ -341,7 +345,7 @@ def validate(config: Config, source: str) -> None:
     if not 0 <= config.server.port <= 65535:
         errors.append("server.port: must be between 0 and 65535")
     for key, value in msgspec.structs.asdict(config.limits).items():
-        if value <= 0:
+        if value < 0 or (value == 0 and key != "max_tokens"):
             errors.append(f"limits.{key}: must be positive")
     if config.responses.store_ttl_s <= 0 or config.responses.max_stored < 0:
         errors.append("responses: store_ttl_s > 0 and max_stored >= 0 required")

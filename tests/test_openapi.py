@@ -40,6 +40,23 @@ def test_every_route_is_documented() -> None:
     assert not missing, f"undocumented routes: {sorted(missing)}"
 
 
+def test_the_rerank_aliases_are_one_handler() -> None:
+    """The contract run fuzzes /v1/rerank only (tests/contract/schemathesis.toml): the
+    other three paths are the same handler, with the same request and responses."""
+    spec = yaml.safe_load((REPO / "openapi.yaml").read_text())
+    paths = ["/v1/rerank", "/rerank", "/v1/reranking", "/reranking"]
+    app = app_for(Config())
+    handlers = {
+        route.handler
+        for route in app.router.routes()
+        if route.resource is not None and route.resource.canonical in paths
+    }
+    assert len(handlers) == 1
+    ops = [spec["paths"][p]["post"] for p in paths]
+    assert all(op["requestBody"] == ops[0]["requestBody"] for op in ops)
+    assert all(op["responses"] == ops[0]["responses"] for op in ops)
+
+
 def _at(spec: dict[str, Any], *path: str | int) -> Any:
     node: Any = spec
     for part in path:

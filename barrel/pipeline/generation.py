@@ -229,7 +229,7 @@ def thinking_of(req: ApiRequest, template: ChatTemplate) -> tuple[bool | None, d
 
 
 def _sampling(
-    session: ModelAccess, req: ApiRequest
+    session: ModelAccess, req: ApiRequest, limits: LimitsConfig | None
 ) -> tuple[SamplingParams, int | None, tuple[str, ...]]:
     sampling, predict, stop = session.sampling(req.dialect, req.options.given())
     if req.logit_bias:
@@ -238,6 +238,9 @@ def _sampling(
     if req.logprobs is not None:
         sampling = msgspec.structs.replace(sampling, logprobs=req.logprobs)
     limit = req.max_tokens if req.max_tokens is not None else predict
+    cap = limits.max_tokens if limits is not None else 0
+    if cap:
+        limit = cap if limit is None else min(limit, cap)
     return sampling, limit, (*stop, *req.stop)
 
 
@@ -288,7 +291,7 @@ async def _completion(
 ) -> Generation:
     completion = req.completion
     assert completion is not None
-    sampling, max_tokens, stop = _sampling(session, req)
+    sampling, max_tokens, stop = _sampling(session, req, limits)
     if max_tokens is None:
         max_tokens = completion.default_max_tokens
     grammar = await asyncio.to_thread(format_grammar, req.format)  # GBNF is read in Python
@@ -368,10 +371,12 @@ async def _prepared(
     if toolbox is not None and toolbox.tools:
         tools = with_server_tools(req.tools, toolbox)
     _check_choice(req.tool_choice, tools)
-    sampling, max_tokens, stop = _sampling(session, req)
+    sampling, max_tokens, stop = _sampling(session, req, limits)
     template = await session.template()
     thinking, kwargs = thinking_of(req, template)
     budget = req.reasoning_budget or EFFORT_BUDGETS.get(req.reasoning_effort or "", DEFAULT_BUDGET)
+    if limits is not None and limits.max_tokens:
+        budget = min(budget, limits.max_tokens)
     chat = ChatRequest(
         messages,
         tools=tools,

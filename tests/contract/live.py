@@ -17,6 +17,7 @@ from tests.registry_server import RegistryServer
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "openapi.yaml"
 HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 16
 
 
 @dataclass
@@ -34,9 +35,13 @@ def live_daemon(tmp: Path) -> Iterator[Live]:
     (tmp / "registry").mkdir(parents=True, exist_ok=True)
     registry = RegistryServer(tmp / "registry")
     registry.add_ollama_model("library/tiny-pulled", "latest", tiny_model())
+    # every answer ends after 16 tokens (limits.max_tokens): the tiny model never ends
+    # one itself, and a generated request with no limit would run to the end of the
+    # context (~4 s of CPU each; the fuzzer sends hundreds)
     config = (
         f'projectors = {{ "tiny-audio" = "{tiny_audio_projector()}" }}\n'
         f'[registry.hosts]\n"registry.ollama.ai" = "{registry.url}"\n'
+        f"[limits]\nmax_tokens = {MAX_TOKENS}\n"
     )
     # a short context (fuzzed requests that generate to its end finish soon), with room
     # for one 30-second window of audio (750 tokens)

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 from openapi_spec_validator import validate
 
-from tests.contract.live import Live
+from tests.contract.live import MAX_TOKENS, Live
 from tests.contract.spec import (
     Operation,
     ndjson,
@@ -219,3 +219,27 @@ def test_streamed_examples_match_their_frame_schemas(live: Live) -> None:
             response.read()
         checked = _check_answer(op, response)
         assert checked >= 2, f"{op_id}: {checked} frames"
+
+
+def test_the_configured_max_tokens_ends_every_answer(live: Live) -> None:
+    """limits.max_tokens caps what a request asks for, what the model's defaults leave
+    open, and a reasoning step, in every dialect (llama-server's --n-predict)."""
+    asked = httpx.post(
+        live.url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100},
+        timeout=120,
+    ).json()
+    assert asked["usage"]["completion_tokens"] == MAX_TOKENS
+    assert asked["choices"][0]["finish_reason"] == "length"
+    unbounded = httpx.post(
+        live.url + "/api/generate",
+        json={"model": "tiny", "prompt": "Hi", "raw": True, "stream": False},
+        timeout=120,
+    ).json()
+    assert (unbounded["eval_count"], unbounded["done_reason"]) == (MAX_TOKENS, "length")
+    below = httpx.post(
+        live.url + "/v1/messages",
+        json={"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]},
+        timeout=120,
+    ).json()
+    assert (below["usage"]["output_tokens"], below["stop_reason"]) == (3, "max_tokens")
