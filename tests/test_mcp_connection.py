@@ -4,6 +4,7 @@ tool it does not offer, and the restart after the server dies."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -14,6 +15,8 @@ import pytest
 
 from barrel.actors.mcp import Connection
 from barrel.config import McpConfig, McpServerConfig
+from barrel.pipeline import servertools
+from barrel.pipeline.events import CallResult, ServerTool, ToolCallEvent
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,3 +112,33 @@ def test_a_result_past_the_cap_is_cut_with_a_note(connect) -> None:  # type: ign
     assert outcome.kind == "ok"
     assert outcome.output.startswith("x" * 1000)
     assert outcome.output.endswith("it had 3000000 bytes, 1000 are shown]")
+
+
+def test_identical_calls_of_one_round_reach_the_server_once(connect, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A round's calls as the turn runs them (barrel.pipeline.servertools) over a real
+    connection: three identical calls (same tool and arguments, the JSON spelled
+    differently) and one other reach the server twice in all, and each call gets its
+    answer. The model's own repeats (seen with Qwen under tool_choice required) cannot
+    be had on demand, so the round's calls are given here."""
+    c = connect(tools=["get_weather"])
+
+    class Connected:
+        tools = (ServerTool("weather", "get_weather", "", {}),)
+
+        async def call(self, tool: ServerTool, arguments: dict[str, object]) -> CallResult:
+            return await asyncio.wrap_future(c.call(tool.name, arguments))
+
+    round_calls = [
+        ToolCallEvent("a", "get_weather", '{"city": "Oslo"}'),
+        ToolCallEvent("b", "get_weather", '{"city":"Oslo"}'),
+        ToolCallEvent("c", "get_weather", '{"city": "Rome"}'),
+        ToolCallEvent("d", "get_weather", '{ "city" : "Oslo" }'),
+    ]
+    toolbox = Connected()
+    by_name = {t.name: t for t in toolbox.tools}
+    results = asyncio.run(servertools.run_once_each(toolbox, by_name, round_calls))
+    assert sorted(logged(tmp_path)) == ["get_weather", "get_weather"]
+    assert [r.kind for r in results] == ["ok"] * 4
+    assert results[0] == results[1] == results[3] != results[2]
+    assert "Oslo" in results[0].output
+    assert "Rome" in results[2].output

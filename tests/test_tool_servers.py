@@ -591,3 +591,123 @@ def test_each_key_uses_only_its_allow_list(keyed: Daemon, calls: Path) -> None:
     assert [r["name"] for r in records] == ["get_weather"]  # its only tool
     assert ask("key-b", ["facts"]).status_code == 200  # facts lists no keys: every key
     assert [e["tool"] for e in logged(calls)] == ["get_weather", "get_population"]
+
+
+# -- the turn's budget, its endings, the MCP tool choice, identical calls -----------------
+
+POEM = "Look up the weather in Paris with the tool, then write a long poem about it."
+# the weather server's other tools take a free-text reason the model may spend the
+# budget on before the call is made
+WEATHER_ONLY: Any = {
+    "type": "mcp",
+    "server_label": "weather",
+    "require_approval": "never",
+    "allowed_tools": ["get_weather"],
+}
+
+
+def test_max_output_tokens_bounds_the_whole_turn_through_the_sdks(
+    daemon: Daemon, calls: Path
+) -> None:
+    """Round 1 makes the forced call (~20 tokens); round 2's poem would take all 60 again
+    if each round had the client's budget: the turn stops at 60 in all, cut as the
+    dialect cuts an answer, the call made."""
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none")
+    r = client.responses.create(
+        model="qwen",
+        input=[fresh(), {"role": "user", "content": POEM}],
+        tools=[WEATHER_ONLY],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=60,
+    )
+    assert next((i.type for i in r.output if i.type != "mcp_list_tools"), "") == "mcp_call", r
+    assert r.usage is not None
+    assert r.usage.output_tokens <= 60, r.usage
+    assert r.status == "incomplete"
+    assert r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens"
+    message = anthropic.Anthropic(base_url=daemon.url, api_key="none").beta.messages.create(
+        model="qwen",
+        max_tokens=60,
+        system=fresh()["content"],
+        messages=[{"role": "user", "content": POEM}],
+        mcp_servers=[
+            {
+                "type": "url",
+                "name": "weather",
+                "url": "",
+                "tool_configuration": {"allowed_tools": ["get_weather"]},
+            }
+        ],
+        tool_choice={"type": "any"},
+        betas=["mcp-client-2025-04-04"],
+        extra_body={"temperature": 0},
+    )
+    assert message.content[0].type == "mcp_tool_use", message.content
+    assert message.usage.output_tokens <= 60, message.usage
+    assert message.stop_reason == "max_tokens"
+    assert len(logged(calls)) == 2  # one call a turn
+
+
+def test_a_turn_whose_results_outgrow_the_context_says_so_in_each_dialect(
+    daemon: Daemon, calls: Path
+) -> None:
+    """The flood's 64 KiB result cannot follow the first round: the turn ends with the
+    word each dialect has for a full context window, its usage that of the round that
+    ran (the refused round computed nothing)."""
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none")
+    r = client.responses.create(
+        model="qwen",
+        input=[fresh(), {"role": "user", "content": "Use the flood tool."}],
+        tools=[{"type": "mcp", "server_label": "big", "require_approval": "never"}],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=100,
+    )
+    assert r.status == "incomplete"
+    assert r.incomplete_details is not None
+    assert r.incomplete_details.reason == "context_length_exceeded"
+    (call,) = [i for i in r.output if i.type == "mcp_call"]
+    assert call.name == "flood"
+    assert r.usage is not None
+    assert 0 < r.usage.output_tokens < 100  # the call's tokens: the budget was not spent
+    assert r.usage.input_tokens > 0
+    message = anthropic.Anthropic(base_url=daemon.url, api_key="none").beta.messages.create(
+        model="qwen",
+        max_tokens=100,
+        messages=[{"role": "user", "content": "Use the flood tool."}],
+        mcp_servers=[{"type": "url", "name": "big", "url": ""}],
+        tool_choice={"type": "any"},
+        betas=["mcp-client-2025-04-04"],
+        extra_body={"temperature": 0},
+    )
+    assert message.stop_reason == "model_context_window_exceeded"
+    assert 0 < message.usage.output_tokens < 100
+
+
+def test_openai_s_mcp_tool_choice_forces_that_server_s_tool(daemon: Daemon, calls: Path) -> None:
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none")
+    tools: Any = [
+        {"type": "mcp", "server_label": "weather", "require_approval": "never",
+         "allowed_tools": ["get_weather"]},
+        {"type": "mcp", "server_label": "facts", "require_approval": "never"},
+    ]  # fmt: skip
+    r = client.responses.create(
+        model="qwen",
+        input=[fresh(), {"role": "user", "content": "How many people live in Oslo?"}],
+        tools=tools,
+        tool_choice={"type": "mcp", "server_label": "weather", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=80,
+    )
+    forced = next(i for i in r.output if i.type == "mcp_call")
+    assert (forced.server_label, forced.name) == ("weather", "get_weather")
+    assert logged(calls)[0]["tool"] == "get_weather"
+    with pytest.raises(openai.BadRequestError, match=r"not among the tools|may not use"):
+        client.responses.create(
+            model="qwen",
+            input="Hi",
+            tools=tools,
+            tool_choice={"type": "mcp", "server_label": "weather", "name": "crash"},
+        )

@@ -112,7 +112,9 @@ class ServerTools:
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str  # stop | length | tool_calls | cancelled
+    # stop | length | tool_calls | cancelled | context (a server-tool turn whose results
+    # outgrew the context window)
+    reason: str
     usage: Usage
     prefill_s: float = 0.0
     decode_s: float = 0.0

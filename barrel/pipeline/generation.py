@@ -371,6 +371,16 @@ async def _prepared(
     if toolbox is not None and toolbox.tools:
         tools = with_server_tools(req.tools, toolbox)
     _check_choice(req.tool_choice, tools)
+    if req.tool_choice.server:
+        served = toolbox.tools if toolbox is not None else ()
+        if not any(
+            t.name == req.tool_choice.name and t.server == req.tool_choice.server for t in served
+        ):
+            raise InvalidRequest(
+                f"tool_choice names {req.tool_choice.name!r} of the tool server "
+                f"{req.tool_choice.server!r}, which this request may not use",
+                param="tool_choice",
+            )
     sampling, max_tokens, stop = _sampling(session, req, limits)
     template = await session.template()
     thinking, kwargs = thinking_of(req, template)

@@ -100,10 +100,12 @@ class Tool(msgspec.Struct, frozen=True):
 
 
 class ToolChoice(msgspec.Struct, frozen=True):
-    """auto | none | required | function (then `name`)."""
+    """auto | none | required | function (then `name`, and `server` when the client
+    named the tool server that offers it: OpenAI's MCP tool choice)."""
 
     mode: Literal["auto", "none", "required", "function"] = "auto"
     name: str = ""
+    server: str = ""
 
 
 class Format(msgspec.Struct, frozen=True):

@@ -11,9 +11,14 @@ Server calls are never streamed as client calls: they become `ServerCall` and
 are held until the turn ends: a round with both kinds runs the server calls and goes on,
 and the client calls it made are returned when the turn finishes (with those of the
 last round, a call made twice returned once), so a turn never both continues and
-finishes. A call that fails, times out or names a tool the server does not offer is a
-result the model reads ("error"), never a failed request; results too long for the
-context end the turn where it stands ("length").
+finishes. Identical server calls of one round (tool and arguments) run once, and each
+gets the answer. A call that fails, times out or names a tool the server does not offer
+is a result the model reads ("error"), never a failed request.
+
+The client's `max_tokens` is the whole turn's: each round gets what the rounds before
+left, and a turn that spends it ends as a cut answer ("length") with the server calls
+made so far. Results too long for the context end the turn where it stands ("context":
+each dialect's own word for a full context window).
 
 The tools and their runner come from the caller (`Toolbox`: barrel.actors.tools builds
 it from the configuration, the API key's allow-list and the servers that are up); this
@@ -95,6 +100,7 @@ async def run(
     held: list[ChatEvent] = []
     reused = computed = completion = 0
     prompts = 0
+    budget = chat.max_tokens  # the turn's, across its rounds
     for number in range(1, max_rounds + 2):
         turn = _Round()
         try:
@@ -108,7 +114,7 @@ async def run(
                 yield event
             calls = any(isinstance(e, ToolCallEvent) for e in held)
             usage = Usage(prompts, completion, reused, computed)
-            yield Finished("tool_calls" if calls else "length", usage)
+            yield Finished("tool_calls" if calls else "context", usage)
             return
         done = turn.finished
         assert done is not None
@@ -132,11 +138,18 @@ async def run(
         held.extend(turn.client)
         for call in turn.server:
             yield ServerCall(call.id, by_name[call.name].server, call.name, call.arguments)
-        results = await asyncio.gather(*(_call(toolbox, by_name, c) for c in turn.server))
+        results = await run_once_each(toolbox, by_name, turn.server)
         for call, result in zip(turn.server, results, strict=True):
             tool = by_name[call.name]
             yield ServerResult(call.id, tool.server, call.name, result)
-        chat = _continued(chat, turn, results)
+        left = None if budget is None else budget - completion
+        if left is not None and left <= 0:
+            # the turn's budget is spent: it ends as a cut answer, its calls made
+            for event in _released(held, []):
+                yield event
+            yield Finished("length", Usage(prompts, completion, reused, computed))
+            return
+        chat = _continued(chat, turn, results, left)
         prep = await render(chat)
 
 
@@ -209,6 +222,20 @@ def _arguments(call: ToolCallEvent) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+async def run_once_each(
+    toolbox: Toolbox, by_name: dict[str, ServerTool], calls: list[ToolCallEvent]
+) -> list[CallResult]:
+    """The round's calls, at once; identical ones (tool and arguments) run once, and
+    each of them gets its answer."""
+    keys = [(c.name, _canonical(c.arguments)) for c in calls]
+    first: dict[tuple[str, str], ToolCallEvent] = {}
+    for key, call in zip(keys, calls, strict=True):
+        first.setdefault(key, call)
+    done = await asyncio.gather(*(_call(toolbox, by_name, c) for c in first.values()))
+    results = dict(zip(first, done, strict=True))
+    return [results[key] for key in keys]
+
+
 async def _call(
     toolbox: Toolbox, by_name: dict[str, ServerTool], call: ToolCallEvent
 ) -> CallResult:
@@ -218,9 +245,12 @@ async def _call(
     return await toolbox.call(by_name[call.name], arguments)
 
 
-def _continued(chat: ChatRequest, turn: _Round, results: list[CallResult]) -> ChatRequest:
+def _continued(
+    chat: ChatRequest, turn: _Round, results: list[CallResult], left: int | None
+) -> ChatRequest:
     """The conversation with this round's answer (its text and server calls) and the
-    calls' results appended; the next round decides freely again."""
+    calls' results appended; the next round decides freely again, within the `left`
+    tokens of the turn's budget."""
     calls = [
         {
             "id": call.id,
@@ -240,4 +270,12 @@ def _continued(chat: ChatRequest, turn: _Round, results: list[CallResult]) -> Ch
     choice = chat.tool_choice
     if choice.mode in ("required", "function"):
         choice = ToolChoice()  # the forced call was made; the model answers now
-    return dataclasses.replace(chat, messages=messages, tool_choice=choice)
+    if left is None:
+        return dataclasses.replace(chat, messages=messages, tool_choice=choice)
+    return dataclasses.replace(
+        chat,
+        messages=messages,
+        tool_choice=choice,
+        max_tokens=left,
+        reasoning_budget=min(chat.reasoning_budget, left),
+    )

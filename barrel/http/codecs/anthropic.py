@@ -352,6 +352,8 @@ def _stop(fin: Finished) -> tuple[str, str | None]:
         return "tool_use", None
     if fin.reason == "length":
         return "max_tokens", None
+    if fin.reason == "context":
+        return "model_context_window_exceeded", None
     if fin.stop_sequence:
         return "stop_sequence", fin.stop_sequence
     return "end_turn", None

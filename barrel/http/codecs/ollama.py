@@ -340,6 +340,10 @@ def _call(event: ToolCallEvent) -> dict[str, Any]:
     return {"function": {"name": event.name, "arguments": json.loads(event.arguments)}}
 
 
+# Ollama says "stop" after tool calls and "length" for a full context too
+_DONE_REASONS = {"tool_calls": "stop", "context": "length"}
+
+
 class OllamaEncoder:
     def __init__(self, req: ApiRequest, *, chat: bool, stamp: Stamp = STAMP) -> None:
         self.name = req.model
@@ -420,7 +424,7 @@ class OllamaEncoder:
         if leftover:
             body["logprobs"] = logprobs_of(leftover)
         body["done"] = True
-        body["done_reason"] = "stop" if fin.reason == "tool_calls" else fin.reason
+        body["done_reason"] = _DONE_REASONS.get(fin.reason, fin.reason)
         b = self.begun
         body.update(
             {

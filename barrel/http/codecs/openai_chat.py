@@ -28,6 +28,7 @@ from barrel.http.codecs.openai_common import (
     check_knobs,
     decode_json,
     error_frame,
+    finish_reason,
     format_of,
     include_usage,
     logit_bias_of,
@@ -228,7 +229,8 @@ def to_tools(tools: list[dict[str, Any]]) -> tuple[Tool, ...]:
 
 def tool_choice_of(choice: Any, *, nested: bool = True) -> ToolChoice:
     """auto, none, required or a function: `{"type": "function", "function": {"name"}}`
-    (chat completions), or with the name beside the type (`nested=False`, responses).
+    (chat completions), or with the name beside the type (`nested=False`, responses,
+    where `{"type": "mcp", "server_label", "name"}` names a tool server's tool too).
     Whether the function is among the tools is the pipeline's rule (generation.check)."""
     if choice is None:
         return ToolChoice()
@@ -239,8 +241,22 @@ def tool_choice_of(choice: Any, *, nested: bool = True) -> ToolChoice:
         if not isinstance(name, str) or not name:
             raise InvalidRequest("tool_choice must name a function", param="tool_choice")
         return ToolChoice("function", name)
+    if isinstance(choice, dict) and choice.get("type") == "mcp" and not nested:
+        server, name = choice.get("server_label"), choice.get("name")
+        if not isinstance(server, str) or not server:
+            raise InvalidRequest(
+                "tool_choice of type mcp needs a server_label", param="tool_choice"
+            )
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(
+                "tool_choice of type mcp must name the tool (Barrel forces one tool)",
+                param="tool_choice",
+            )
+        return ToolChoice("function", name, server)
     raise InvalidRequest(
-        "tool_choice must be auto, none, required or a function", param="tool_choice"
+        "tool_choice must be auto, none, required, a function"
+        + ("" if nested else " or an mcp tool"),
+        param="tool_choice",
     )
 
 
@@ -296,10 +312,6 @@ def decode(raw: bytes, conversation: str | None = None) -> tuple[ApiRequest, Cha
 
 
 # -- response ----------------------------------------------------------------------------
-
-
-def finish_reason(fin: Finished) -> str:
-    return "stop" if fin.reason == "cancelled" else fin.reason
 
 
 def tool_call(event: ToolCallEvent, index: int | None = None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from barrel.errors import BarrelError, InvalidRequest
 from barrel.http.codecs import Comment, Data, constraints, read_body
 from barrel.http.codecs.constraints import TEXT
 from barrel.http.errors import error_body
+from barrel.pipeline.events import Finished
 from barrel.pipeline.request import Dialect, Format, Options
 from barrel.values import TokenLogprob, Usage
 
@@ -104,6 +105,11 @@ def decode_json(raw: bytes, kind: type[B]) -> B:
     if not getattr(body, "model", ""):
         raise InvalidRequest("you must provide a model parameter", param="model")
     return body
+
+
+def finish_reason(fin: Finished) -> str:
+    """OpenAI's: "length" also for a full context window, as OpenAI says it."""
+    return {"cancelled": "stop", "context": "length"}.get(fin.reason, fin.reason)
 
 
 def _between(value: float | None, low: float, high: float, param: str) -> None:

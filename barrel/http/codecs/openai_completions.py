@@ -22,6 +22,7 @@ from barrel.http.codecs.openai_common import (
     check_knobs,
     decode_json,
     error_frame,
+    finish_reason,
     format_of,
     include_usage,
     logit_bias_of,
@@ -189,7 +190,7 @@ class CompletionEncoder:
                 head = _Logprobs(0)
                 head.add(event.prompt_logprobs)
                 self.logprobs[index] = head.then(self.logprobs[index])
-            return [self._chunk(index, "", None, _reason(event))]
+            return [self._chunk(index, "", None, finish_reason(event))]
         return []  # completions parse nothing: no reasoning, no tool calls
 
     def _usage(self) -> dict[str, Any]:
@@ -219,7 +220,7 @@ class CompletionEncoder:
                 "text": self.texts[i],
                 "index": i,
                 "logprobs": self.logprobs[i].json() if self.with_logprobs else None,
-                "finish_reason": _reason(self.finished[i]),
+                "finish_reason": finish_reason(self.finished[i]),
             }
             for i in range(self.runs)
         ]
@@ -227,10 +228,6 @@ class CompletionEncoder:
 
     def error(self, err: BarrelError) -> list[Frame]:
         return [error_frame(err)]
-
-
-def _reason(fin: Finished) -> str:
-    return "stop" if fin.reason == "cancelled" else fin.reason
 
 
 def encoder(req: ApiRequest, body: CompletionBody, stamp: Stamp = STAMP) -> CompletionEncoder:

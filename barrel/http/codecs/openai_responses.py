@@ -548,9 +548,11 @@ class ResponsesEncoder:
         r = self.response
         r["usage"] = _usage(fin)
         r["completed_at"] = int(self.stamp.now())
-        if fin.reason == "length":
+        if fin.reason in ("length", "context"):
+            # a full context window in OpenAI's word for it (its error code)
+            why = "max_output_tokens" if fin.reason == "length" else "context_length_exceeded"
             r["status"] = "incomplete"
-            r["incomplete_details"] = {"reason": "max_output_tokens"}
+            r["incomplete_details"] = {"reason": why}
             out.append(self._event("response.incomplete", response=r))
         else:
             r["status"] = "completed"
