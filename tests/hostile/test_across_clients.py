@@ -22,7 +22,7 @@ def test_keep_alive_zero_waits_for_another_clients_stream(hostile: Hostile) -> N
     """Ollama's unload while another client streams from the model: the unload answers
     at once (the model drains), the stream is not cut off, and the model goes when it
     ends."""
-    long = {**NORMAL, "stream": True, "options": {"num_predict": 3000, "temperature": 0}}
+    long = {**NORMAL, "stream": True, "options": {"num_predict": 600, "temperature": 0}}
     with httpx.stream("POST", hostile.url + "/api/chat", json=long, timeout=120) as stream:
         lines = stream.iter_lines()
         assert json.loads(next(lines))["done"] is False
