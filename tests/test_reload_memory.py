@@ -76,6 +76,8 @@ def test_load_unload_cycles_give_back_what_each_load_took(
 ) -> None:
     pid = daemon.proc.pid
     client = httpx.Client(base_url=daemon.url, timeout=120)
+    for bad in ("x", "-1", "99999999999"):  # a 400, not a 500
+        assert client.get("/debug/memory", params={"top": bad}).status_code == 400
     rss: list[float] = []
     traced: list[int] = []
     seen: list[tuple[int, int]] = []

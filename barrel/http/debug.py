@@ -41,7 +41,10 @@ _last: list[tracemalloc.Snapshot] = []
 
 @routes.get("/debug/memory")
 async def memory(request: web.Request) -> web.Response:
-    n = int(request.query.get("top", "0"))
+    top = request.query.get("top", "0")
+    if not top.isdigit() or len(top) > 4:
+        raise InvalidRequest("top must be a whole number of at most four digits")
+    n = int(top)
     return web.json_response(await asyncio.to_thread(_memory, n))
 
 
