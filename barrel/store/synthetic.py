@@ -9,6 +9,7 @@ cost of a real model. Weights come from a fixed seed: the file is deterministic.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Callable
@@ -48,7 +49,16 @@ class TinyShape:
         return hashlib.sha256(raw).hexdigest()[:12]
 
 
-def _tokenizer_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
+def _tokenizer_fields(source: Path) -> dict[str, Any]:
+    """The tokenizer of the GGUF at `source`, read once a process for each version of
+    the file (gguf's reader takes seconds over Qwen's 151k-token vocabulary)."""
+    st = source.stat()
+    return _read_tokenizer(str(source), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_tokenizer(source: str, _size: int, _mtime_ns: int) -> dict[str, Any]:
+    reader = gguf.GGUFReader(source)
     wanted = (
         "tokenizer.ggml.tokens",
         "tokenizer.ggml.token_type",
@@ -84,7 +94,7 @@ def write_tiny_gguf(
     """Write the tiny model to `path` (atomically), taking the tokenizer from `source`.
     `tweak(writer, tokens)` may overwrite metadata before the file is written (hostile
     files for the tests: a later `add_*` of a key replaces its value)."""
-    tok = _tokenizer_fields(gguf.GGUFReader(source))
+    tok = _tokenizer_fields(source)
     tokens = tok["tokenizer.ggml.tokens"]
     assert isinstance(tokens, list)
     n_vocab = len(tokens)
