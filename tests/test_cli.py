@@ -239,34 +239,40 @@ def test_top_shows_a_loaded_model_its_queue_and_tokens_per_second(daemon: Daemon
             {"role": "user", "content": "Write the numbers from 1 to 200 in words, one per line."}
         ],
         "options": {"temperature": 0, "num_predict": 300},
-        "stream": False,
     }
-    short = {**long, "options": {"num_predict": 2}}
-    threads = [
-        threading.Thread(
-            target=lambda b=body: httpx.post(daemon.url + "/api/chat", json=b, timeout=120)
-        )
-        for body in (long, short)
-    ]
-    threads[0].start()
-    time.sleep(1.0)
-    threads[1].start()  # waits: one slot (num_seq_max = 1)
-    time.sleep(1.5)
+    short = {**long, "options": {"num_predict": 2}, "stream": False}
 
     async def snapshot() -> dict[str, object]:
+        """The status once the long answer streams and the short request waits behind it
+        (one slot: num_seq_max = 1)."""
         async with BarrelClient(daemon.url) as client:
-            return await client.status()
+            while True:
+                status = await client.status()
+                (model,) = [m for m in status["models"] if m["name"] == "qwen"]  # type: ignore[attr-defined]
+                if model["queued"] == 1 and model["tokens_per_s"] > 0:
+                    return status
+                await asyncio.sleep(0.1)
 
-    status = asyncio.run(snapshot())
-    for t in threads:
-        t.join(timeout=120)
+    with (
+        httpx.Client(timeout=120) as http,
+        http.stream("POST", daemon.url + "/api/chat", json=long) as held,
+    ):
+        lines = held.iter_lines()  # kept: a dropped iterator closes the stream
+        assert json.loads(next(lines))["done"] is False
+        waiting = threading.Thread(
+            target=lambda: httpx.post(daemon.url + "/api/chat", json=short, timeout=120)
+        )
+        waiting.start()
+        status = asyncio.run(asyncio.wait_for(snapshot(), 60))
+    # the long answer is left (the daemon cancels it), the short one is served
+    waiting.join(timeout=120)
     console = Console(record=True, width=200)
     console.print(render_status(status))
     text = console.export_text()
     (model,) = [m for m in status["models"] if m["name"] == "qwen"]  # type: ignore[attr-defined]
     assert model["running"] == 1
     assert model["queued"] == 1
-    assert model["tokens_per_s"] > 1
+    assert model["tokens_per_s"] > 0
     row = next(line for line in text.splitlines() if "qwen" in line and "busy" in line)
     cells = [c.strip() for c in row.split("│") if c.strip()]
     assert cells[5:8] == ["1", "1", f"{model['tokens_per_s']:.1f}"]  # active, queued, tok/s

@@ -156,9 +156,9 @@ async def test_a_repeated_prompt_starts_from_the_logits_its_prefill_left(
         for k in (0, 6, 7, 15):
             prompt = qwen.tokenize(ledger(k), add_special=False)
             cold_steps = e.steps
-            _, cold = await e.submit(EngineRequest(prompt, max_tokens=48)).collect()
+            _, cold = await e.submit(EngineRequest(prompt, max_tokens=24)).collect()
             again_steps = e.steps
-            _, again = await e.submit(EngineRequest(prompt, max_tokens=48)).collect()
+            _, again = await e.submit(EngineRequest(prompt, max_tokens=24)).collect()
             assert (again.usage.prompt_reused, again.usage.prompt_computed) == (len(prompt), 0)
             assert again.tokens == cold.tokens, k
             # one prefill step, then a step for each generated token but the last

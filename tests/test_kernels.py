@@ -4,6 +4,7 @@ The rest of the suite runs batch-invariant (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -11,7 +12,10 @@ import openai
 import pytest
 
 from barrel.engine import model as kernels
-from barrel.engine.model import BATCH_INVARIANT_ENV, ModelOptions, cpu_has_amx
+from barrel.engine.context import KVType, flash_attention
+from barrel.engine.engine import Engine, EngineOptions
+from barrel.engine.model import BATCH_INVARIANT_ENV, LlamaModel, ModelOptions, cpu_has_amx
+from barrel.engine.types import EngineRequest, SamplingParams
 from tests.daemon import Daemon
 
 
@@ -75,3 +79,47 @@ def test_batch_invariance_is_a_setting(tmp_path: Path, tiny_path: Path) -> None:
         assert status["batch_invariant"] is True
     finally:
         d.kill()
+
+
+async def test_a_prompt_s_last_token_decoded_alone_rounds_as_in_the_whole_prompt(
+    qwen_path: Path,
+) -> None:
+    """Batch-invariant (this process): the last token of a 350-token prompt decoded alone,
+    after the rest was cached, gives the logits it has in the step of the whole prompt, so
+    the answers are the same bit for bit. With flash attention on, ggml's CPU kernel takes
+    the two rows down different paths (the tiled one for 64 rows or more) and they were
+    0.33 apart, and these answers' logprobs differed (`flash_attention`)."""
+    model = LlamaModel.load(qwen_path)
+    system = "You are a helpful assistant with tools. " * 40
+    prompt = model.tokenize(
+        f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nWrite a poem about the "
+        "sea.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    greedy = SamplingParams(temperature=0, logprobs=0)
+    opts = EngineOptions(n_ctx=1024, n_seq_max=1, speculation="off")
+
+    async def answer(cached: list[int] | None) -> tuple[list[float], int]:
+        engine = Engine(model, opts).start()
+        try:
+            if cached is not None:
+                await engine.submit(EngineRequest(cached, max_tokens=1)).collect()
+            deltas, done = await engine.submit(EngineRequest(prompt, greedy, 8)).collect()
+            return [lp.logprob for d in deltas for lp in d.logprobs], done.usage.prompt_computed
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    try:
+        assert flash_attention(opts) == "off"
+        cold, computed = await answer(None)
+        alone, computed_alone = await answer(prompt[:-1])
+        assert (computed, computed_alone) == (len(prompt), 1)
+        assert alone == cold  # bit for bit
+    finally:
+        model.free()
+
+
+def test_flash_attention_is_off_only_where_the_daemon_is_batch_invariant() -> None:
+    assert kernels.batch_invariant()  # this process (tests/conftest.py)
+    assert flash_attention(EngineOptions()) == "off"
+    assert flash_attention(EngineOptions(flash_attn="on")) == "on"  # asked for: kept
+    assert flash_attention(EngineOptions(kv_type=KVType.Q8_0)) == "auto"  # V needs it

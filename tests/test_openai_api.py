@@ -9,6 +9,7 @@ import math
 import struct
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -665,7 +666,7 @@ def solo(
         tmp_path_factory.mktemp("openai-solo"),
         qwen_path,
         tiny_path,
-        "[models.defaults]\nnum_seq_max = 1\nqueue_depth = 2\nqueue_timeout_s = 6",
+        "[models.defaults]\nnum_seq_max = 1\nqueue_depth = 2\nqueue_timeout_s = 4",
     )
     yield d
     d.kill()
@@ -710,36 +711,35 @@ def test_a_disconnect_frees_the_slot_for_a_waiting_request(solo: Daemon) -> None
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     frames = [json.loads(f[6:]) for f in rest[:-1]]
-    # an answer, not the queue timeout (6 s): the 1,500-token request did not run to its end
+    # an answer, not the queue timeout (4 s): the 1,500-token request did not run to its end
     assert "Paris" in "".join(f["choices"][0]["delta"].get("content") or "" for f in frames)
 
 
 def test_a_failure_mid_stream_sends_an_error_frame(solo: Daemon) -> None:
-    with _holding(solo.url):
-        sdk = openai.OpenAI(base_url=solo.url + "/v1", api_key="k", timeout=60, max_retries=0)
-        stream = sdk.chat.completions.create(
-            model="qwen", messages=QUESTION, max_tokens=4, stream=True
+    body = {"model": "qwen", "messages": QUESTION, "max_tokens": 4}
+    with _holding(solo.url), ThreadPoolExecutor(2) as pool:
+
+        def through_the_sdk() -> openai.APIError:
+            sdk = openai.OpenAI(base_url=solo.url + "/v1", api_key="k", timeout=60, max_retries=0)
+            stream = sdk.chat.completions.create(**body, stream=True)  # type: ignore[call-overload]
+            with pytest.raises(openai.APIError) as failed:
+                list(stream)  # queued, then the queue timeout after the stream began
+            return failed.value
+
+        # both wait in the queue (its depth is 2) at once
+        sdk_error = pool.submit(through_the_sdk)
+        raw = pool.submit(
+            httpx.post, solo.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
         )
-        with pytest.raises(openai.APIError) as failed:
-            list(stream)  # queued, then the queue timeout after the stream began
-        assert "queue" in failed.value.message
-        raw = httpx.post(
-            solo.url + "/v1/chat/completions",
-            json={"model": "qwen", "messages": QUESTION, "max_tokens": 4, "stream": True},
-            timeout=60,
-        )
-        lines = [line for line in raw.text.splitlines() if line]
-        assert lines[0] == ": queued, position 1", lines
+        assert "queue" in sdk_error.result().message
+        lines = [line for line in raw.result().text.splitlines() if line]
+        assert lines[0] in (": queued, position 1", ": queued, position 2"), lines
         error = json.loads(lines[-1][6:])["error"]
         assert error["type"] == "server_error"
         assert error["code"] == "unavailable"
-        assert "[DONE]" not in raw.text
+        assert "[DONE]" not in raw.result().text
         # without streaming, the same wait is a plain 503 that says when to come back
-        plain = httpx.post(
-            solo.url + "/v1/chat/completions",
-            json={"model": "qwen", "messages": QUESTION, "max_tokens": 4},
-            timeout=60,
-        )
+        plain = httpx.post(solo.url + "/v1/chat/completions", json=body, timeout=60)
         assert plain.status_code == 503
         assert int(plain.headers["retry-after"]) >= 1
         assert plain.json()["error"]["code"] == "unavailable"

@@ -14,7 +14,7 @@ from typing import Any
 import llama_cpp as ll
 
 from barrel.engine.errors import ModelLoadError
-from barrel.engine.model import LlamaModel, ModelOptions
+from barrel.engine.model import LlamaModel, ModelOptions, batch_invariant
 from barrel.engine.projector import Projector, load_projector
 
 logger = logging.getLogger(__name__)
@@ -131,6 +131,20 @@ def effective_options(opts: EngineOptions) -> EngineOptions:
     return dataclasses.replace(opts, max_pins=0, n_batch=ubatch, n_ubatch=ubatch)
 
 
+def flash_attention(opts: EngineOptions) -> str:
+    """The flash-attention setting a context gets: `auto` is off in a batch-invariant
+    process where the KV cache is f16 (a quantized V needs it on). ggml's CPU
+    flash-attention kernel takes a query row down one of three paths by the shape of its
+    step (64 rows or more tiled, a lone row over 512 cells split between the threads,
+    row by row otherwise), each rounding differently: the last token of a 348-token
+    prompt decoded alone had logits up to 0.33 away from the same row in the whole
+    prompt's step, and 0.0 away with flash attention off (Xeon with AMX and EPYC alike;
+    bench/NOTEBOOK.md, "Batch invariance")."""
+    if opts.flash_attn == "auto" and batch_invariant() and opts.kv_type is KVType.F16:
+        return "off"
+    return opts.flash_attn
+
+
 def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
     """Create the context: one KV stream that every sequence shares (one request may
     use the whole n_ctx), or with `kv_per_sequence` a stream of n_ctx cells for each."""
@@ -147,7 +161,7 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
     params.type_v = _KV_TYPES[opts.kv_type]
     # auto: on wherever the backend has it, the CPU included (bench/NOTEBOOK.md,
     # "Long prompts": faster prompts, ~50 ms slower short follow-ups)
-    params.flash_attn_type = _FLASH[opts.flash_attn]
+    params.flash_attn_type = _FLASH[flash_attention(opts)]
     params.kv_unified = unified
     params.swa_full = opts.swa_full
     params.no_perf = True
