@@ -21,7 +21,7 @@ from barrel.actors.models import Models
 from barrel.actors.registry import Registry
 from barrel.actors.runtime import Runtime
 from barrel.actors.supervisor import ChildSpec, SupervisorEnv
-from barrel.actors.timers import Timers
+from barrel.actors.timers import Clock, Timers
 from barrel.actors.tree import daemon_tree
 from barrel.config import Config
 from barrel.engine.kvdisk import KVDisk
@@ -52,12 +52,14 @@ def build_services(
     config: Config,
     local_models: Mapping[str, str] | None = None,
     tree: TreeBuilder | None = None,
+    clock: Clock | None = None,
 ) -> Services:
-    """`tree` replaces the daemon's tree (tests); `local_models` add to the config's."""
+    """`tree` replaces the daemon's tree and `clock` its timers' clock (tests: a
+    `ManualClock`); `local_models` add to the config's."""
     configure_kernels(config.models.batch_invariant)  # before any model loads
     models = {**config.models.local, **(local_models or {})}
     store = ModelStore(config.cache_root, config.import_dir, trial_load=config.models.trial_load)
-    timers = Timers()
+    timers = Timers(clock)
     tracker = ResidencyTracker()
     metrics = Metrics()
     metrics.watch_residency(tracker.resident)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 from aiohttp import web
 
+from barrel.actors.timers import Clock
 from barrel.config import Config
 from barrel.http.app import make_app
 from barrel.services import Services, TreeBuilder, build_services, running
@@ -22,8 +23,9 @@ def app_for(
     local_models: Mapping[str, str] | None = None,
     tree: TreeBuilder | None = None,
     on_fatal: Callable[[str], None] | None = None,
+    clock: Clock | None = None,
 ) -> web.Application:
-    services = build_services(config, local_models, tree)
+    services = build_services(config, local_models, tree, clock)
     app = make_app(config, services)
     app[SERVICES] = services
     fatal = on_fatal or (lambda why: logging.getLogger(__name__).critical("fatal: %s", why))

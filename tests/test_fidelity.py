@@ -180,6 +180,7 @@ def _loads(url: str, model: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.slow  # a loop of loads or a gateway's polls: out of `make check`
 def test_a_request_is_served_by_the_load_it_waited_for(tmp_path: Path, tiny_path: Path) -> None:
     """One client loops Ollama's unload (keep_alive 0) while another asks 30 times: every
     request answers, and none sees more than one load of the model while it waits (an

@@ -22,6 +22,7 @@ from barrel.actors.admission import QueueFull
 from barrel.actors.lifecycle import Lease, Lifecycle
 from barrel.actors.loader import ModelSpec, fit
 from barrel.actors.memory import ModelWouldOOM, available_bytes, kv_cache_bytes
+from barrel.actors.timers import ManualClock
 from barrel.config import Config
 from barrel.engine import engine as engine_module
 from barrel.engine.context import EngineOptions
@@ -37,7 +38,11 @@ MakeClient = Callable[..., Awaitable[Client]]
 
 
 async def start(
-    aiohttp_client: MakeClient, tmp_path: Path, local: dict[str, Path], **models: Any
+    aiohttp_client: MakeClient,
+    tmp_path: Path,
+    local: dict[str, Path],
+    clock: ManualClock | None = None,
+    **models: Any,
 ) -> tuple[Client, Lifecycle]:
     defaults = {"num_seq_max": 2, "queue_depth": 4, **models.pop("defaults", {})}
     config = msgspec.convert(
@@ -52,7 +57,7 @@ async def start(
         },
         Config,
     )
-    client = await aiohttp_client(app_for(config))
+    client = await aiohttp_client(app_for(config, clock=clock))
     await asyncio.to_thread(services_of(client.server.app).runtime.booted.wait, 10)
     return client, services_of(client.server.app).models.lifecycle
 
@@ -205,22 +210,19 @@ async def test_keep_alive_zero_unloads_before_answering(
 async def test_keep_alive_counts_from_the_end_of_the_last_request(
     aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path
 ) -> None:
-    _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path})
+    clock = ManualClock()
+    _, lc = await start(aiohttp_client, tmp_path, {"tiny": tiny_path}, clock=clock)
     lease = await lc.acquire("tiny", keep_alive=1.0)
-    # generations that last past the keep-alive, however fast the box
-    started = time.monotonic()
-    while time.monotonic() - started <= 1.2:
-        prompt = lease.engine.tokenize("Hello")
-        async for _ in lease.engine.submit(EngineRequest(prompt, max_tokens=300)):
-            pass
+    prompt = lease.engine.tokenize("Hello")
+    async for _ in lease.engine.submit(EngineRequest(prompt, max_tokens=4)):
+        clock.advance(5.0)  # a request that lasts past the keep-alive
     assert await loaded(lc) == {"tiny"}, "never unloaded during a request"
     await lc.release(lease, keep_alive=1.0)
-    ended = time.monotonic()
-    assert await loaded(lc) == {"tiny"}
-    while await loaded(lc):
-        await asyncio.sleep(0.05)
-        assert time.monotonic() - ended < 5, "not unloaded after its keep-alive"
-    assert time.monotonic() - ended >= 0.9
+    clock.advance(0.9)
+    assert await loaded(lc) == {"tiny"}  # (the timer fires in advance's own thread)
+    clock.advance(0.2)
+    while await loaded(lc):  # noqa: ASYNC110 (the loader is asked: no event to wait on)
+        await asyncio.sleep(0.02)  # the unload the timer asked for, as it happens
 
 
 async def test_memory_budget_unloads_the_idle_model_and_refuses_when_busy(

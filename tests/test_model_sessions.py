@@ -129,6 +129,7 @@ async def _unload_loop(
     return n
 
 
+@pytest.mark.slow  # a loop of loads or a gateway's polls: out of `make check`
 async def test_tokenizing_while_the_model_is_unloaded_in_a_loop(
     tmp_path: Path, tiny_path: Path
 ) -> None:

@@ -166,6 +166,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> Iterator[
         yield daemons
 
 
+@pytest.mark.slow  # a loop of loads or a gateway's polls: out of `make check`
 def test_smg_identifies_barrel_and_reads_its_load(pair: list[Daemon], tmp_path: Path) -> None:
     router = Router(tmp_path, [d.url for d in pair], "--policy", "power_of_two")
     try:
@@ -192,6 +193,7 @@ def test_smg_identifies_barrel_and_reads_its_load(pair: list[Daemon], tmp_path: 
         router.stop()
 
 
+@pytest.mark.slow  # a loop of loads or a gateway's polls: out of `make check`
 def test_consistent_hashing_keeps_each_session_on_one_daemon(
     pair: list[Daemon], tmp_path: Path
 ) -> None:
@@ -233,6 +235,7 @@ def spare_pair(tmp_path_factory: pytest.TempPathFactory, tiny_path: Path) -> Ite
         yield daemons
 
 
+@pytest.mark.slow  # a loop of loads or a gateway's polls: out of `make check`
 def test_failover_when_one_daemon_stops(spare_pair: list[Daemon], tmp_path: Path) -> None:
     daemons = spare_pair
     router = Router(tmp_path, [d.url for d in daemons], "--policy", "round_robin")

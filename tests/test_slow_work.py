@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from barrel.store.synthetic import write_small_gguf
 from tests.daemon import serve_models
@@ -44,6 +45,7 @@ async def _round(http: aiohttp.ClientSession, url: str) -> list[float]:
     return [await _ttft(http, url) for _ in range(15)]
 
 
+@pytest.mark.slow  # a loop of loads or a gateway's polls: out of `make check`
 async def test_a_large_import_does_not_stall_chat_on_a_store_model(
     tmp_path: Path, tiny_path: Path
 ) -> None:

@@ -301,7 +301,7 @@ class _Drafts(NoObserver):
         self.drafts.append((drafted, accepted))
 
 
-@pytest.mark.parametrize("which", ["tiny", "qwen"])
+@pytest.mark.parametrize("which", ["tiny", pytest.param("qwen", marks=pytest.mark.real_model)])
 async def test_bench_drafts_replays_the_engine_s_drafts_exactly(
     which: str, request: pytest.FixtureRequest
 ) -> None:
