@@ -183,6 +183,7 @@ async def _outputs(
     prompts: list[list[int]],
     sampling: SamplingParams,
     per_sequence: bool = False,
+    max_tokens: int = 96,
 ) -> tuple[list[tuple[int, ...]], Metrics]:
     metrics = Metrics()
     opts = EngineOptions(
@@ -191,7 +192,8 @@ async def _outputs(
     e = Engine(model, opts, observer=metrics.engine_observer("m")).start()
     try:
         runs = [
-            e.submit(EngineRequest(p, max_tokens=96, sampling=sampling)).collect() for p in prompts
+            e.submit(EngineRequest(p, max_tokens=max_tokens, sampling=sampling)).collect()
+            for p in prompts
         ]
         done = [d for _, d in await asyncio.gather(*runs)]  # concurrent: drafts in one batch
         return [d.tokens for d in done], metrics
@@ -219,8 +221,8 @@ async def test_qwen_gives_the_same_tokens_with_drafts_and_keeps_most_of_them(
     qwen: LlamaModel,
 ) -> None:
     prompts = _prompts(qwen, chat=True)
-    plain, off = await _outputs(qwen, "off", prompts, GREEDY)
-    drafted, on = await _outputs(qwen, "ngram", prompts, GREEDY)
+    plain, off = await _outputs(qwen, "off", prompts, GREEDY, max_tokens=48)
+    drafted, on = await _outputs(qwen, "ngram", prompts, GREEDY, max_tokens=48)
     assert drafted == plain
     assert _counted(off, "barrel_engine_draft_tokens_total") == 0
     tried = _counted(on, "barrel_engine_draft_tokens_total")
