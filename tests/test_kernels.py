@@ -118,8 +118,18 @@ async def test_a_prompt_s_last_token_decoded_alone_rounds_as_in_the_whole_prompt
         model.free()
 
 
-def test_flash_attention_is_off_only_where_the_daemon_is_batch_invariant() -> None:
+def test_flash_attention_is_off_only_where_the_daemon_is_batch_invariant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert kernels.batch_invariant()  # this process (tests/conftest.py)
     assert flash_attention(EngineOptions()) == "off"
     assert flash_attention(EngineOptions(flash_attn="on")) == "on"  # asked for: kept
     assert flash_attention(EngineOptions(kv_type=KVType.Q8_0)) == "auto"  # V needs it
+    try:
+        monkeypatch.setenv(BATCH_INVARIANT_ENV, "0")
+        kernels.configure_kernels(False)
+        assert flash_attention(EngineOptions()) == "auto"  # llama.cpp's kernels: its choice
+    finally:
+        monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+        kernels.configure_kernels(True)
+    assert kernels.batch_invariant()

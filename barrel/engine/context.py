@@ -160,7 +160,8 @@ def new_context(model: LlamaModel, opts: EngineOptions, n_ctx: int) -> Any:
     params.type_k = _KV_TYPES[opts.kv_type]
     params.type_v = _KV_TYPES[opts.kv_type]
     # auto: on wherever the backend has it, the CPU included (bench/NOTEBOOK.md,
-    # "Long prompts": faster prompts, ~50 ms slower short follow-ups)
+    # "Long prompts": faster prompts, ~50 ms slower short follow-ups), unless the process
+    # is batch-invariant (`flash_attention`)
     params.flash_attn_type = _FLASH[flash_attention(opts)]
     params.kv_unified = unified
     params.swa_full = opts.swa_full
