@@ -81,22 +81,23 @@ def test_load_unload_cycles_give_back_what_each_load_took(
     rss: list[float] = []
     traced: list[int] = []
     seen: list[tuple[int, int]] = []
-    for _ in range(cycles):
+    for n in range(1, cycles + 1):
         cycle(client, model)
-        memory = client.get("/debug/memory").json()  # after a full collection
-        assert memory["tracing"], memory
-        traced.append(memory["traced"])
-        rss.append(resident_kb(pid))
+        rss.append(resident_kb(pid))  # as the daemon left it: no collection asked for
         seen.append(counts(pid))
+        if n in (SETTLED, cycles):
+            memory = client.get("/debug/memory").json()  # after a full collection
+            assert memory["tracing"], memory
+            traced.append(memory["traced"])
     # what the first cycles leave is kept once (guides/operations.md): the measure starts
-    # after the third. No cycle adds to the last: the median step between cycles is
-    # ~0 (it was +1.6 to +2.5 MB a cycle before barrel.heap). A one-time step of 1-11 MB
-    # was seen in some runs (2 of 5), once, then flat: bounded here, not yet explained.
-    settled = SETTLED
+    # after the third, and no later cycle adds 1 MB to it. It was +1.6 to +2.5 MB a cycle
+    # before barrel.heap's two arenas; +0.7 MB a cycle until the collector's next full
+    # pass (a stopped engine's rooms in reference cycles) before its collection at each
+    # unload; a one-time ~5 MB step at the second to fourth Qwen cycle in two runs of
+    # three before its fixed mmap threshold.
     print(model, "unloaded RSS kB", rss, "traced", traced, "fds/threads", seen)
-    steps = [b - a for a, b in zip(rss[settled:], rss[settled + 1 :], strict=False)]
-    assert statistics.median(steps) <= 128, f"unloaded RSS per cycle (kB): {rss}"
-    assert max(rss[settled:]) - rss[settled] <= 16 * 1024, f"unloaded RSS per cycle (kB): {rss}"
+    rss, seen = rss[SETTLED - 1 :], seen[SETTLED - 1 :]
+    assert max(rss) - rss[0] <= 1024, f"unloaded RSS after each cycle from the third (kB): {rss}"
     # the Python heap: a few timers and metrics labels, never a model's worth
-    assert max(traced[settled:]) - traced[settled] <= 256 * 1024, traced
-    assert len(set(seen[settled:])) == 1, f"fds and threads per cycle: {seen}"
+    assert traced[1] - traced[0] <= 256 * 1024, traced
+    assert len(set(seen)) == 1, f"fds and threads after each cycle from the third: {seen}"

@@ -151,7 +151,10 @@ class EngineWorker(Child):
         if self.model is not None:
             self.model.free()
             self.model = None
-            heap.trim()  # what the model's buffers took goes back now (barrel.heap)
+            took = heap.trim()  # what the model's buffers took goes back now (barrel.heap)
+            logger.debug(
+                "%s: garbage collected in %.1f ms after the unload", self.link.id, took * 1e3
+            )
 
 
 class _PinAfterFirstRequest:

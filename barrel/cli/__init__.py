@@ -141,7 +141,7 @@ def _apply_flags(cfg: config.Config, args: argparse.Namespace) -> config.Config:
 
 def _serve(args: argparse.Namespace) -> int:
     dump_stacks_on(signal.SIGUSR1)  # before any import below starts a thread
-    heap.limit_arenas()  # likewise (barrel.heap)
+    heap.tune()  # likewise (barrel.heap)
     from barrel import daemon  # the HTTP stack is only imported to serve
     from barrel.notify import setup_logging
 

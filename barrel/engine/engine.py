@@ -180,6 +180,10 @@ class Engine:
         if self._saving is not None and not self._saving.wait(WRITE_WAIT_S):
             logger.warning("engine %s: its states are still being written", self.name)
         self._free()
+        # A stopped engine calls no one: its owner's callback (a bound method of the
+        # actor that holds the engine) made a reference cycle that kept the engine and
+        # all it holds until the garbage collector's next full pass.
+        self.on_crash = None
 
     def join(self, timeout: float) -> bool:
         if self._thread is not None:
