@@ -8,6 +8,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from barrel import heap
 from barrel.actors.admission import QueueFull
 from barrel.actors.lifecycle import Lease, Lifecycle
 from barrel.actors.loader import ModelSpec, fit
@@ -455,6 +457,46 @@ async def test_crashes_beyond_the_intensity_mark_the_model_failed(
     _, done = await bystander.engine.submit(EngineRequest([1, 2], max_tokens=2)).collect()
     assert done.usage.completion_tokens == 2
     await lc.release(bystander)
+
+
+async def test_a_request_waiting_for_a_restart_hears_when_the_supervisor_gives_up_instead(
+    aiohttp_client: MakeClient, tmp_path: Path, tiny_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that finds the engine dead waits for the restarted worker's report; when
+    the crash is one too many, the model's supervisor gives up instead and the request
+    hears it then (503, model failed), not at its load timeout. The window is held open
+    by holding the crashed worker's unload until the request waits."""
+    cfg = msgspec.convert(
+        {
+            "models": {"cache_root": str(tmp_path / "cache"), "local": {"tiny": str(tiny_path)}},
+            "supervision": {"models": {"intensity": 1, "period_s": 60}},
+        },
+        Config,
+    )
+    client = await aiohttp_client(app_for(cfg))
+    await asyncio.to_thread(services_of(client.server.app).runtime.booted.wait, 10)
+    lc = services_of(client.server.app).models.lifecycle
+    lc.progress_every = 0.05  # on_loading says "waiting for the load" soon
+    lease = await lc.acquire("tiny")
+    first = lease.engine
+    first.inject_fault(RuntimeError("boom"))
+    await lc.release(lease)
+    assert await asyncio.to_thread(first.join, 30)
+    lease = await lc.acquire("tiny")  # the restart's engine (one restart is allowed)
+    second = lease.engine
+    assert second is not first
+    assert second.alive
+    waiting = threading.Event()
+    monkeypatch.setattr(heap, "trim", lambda: float(waiting.wait(60)))
+    second.inject_fault(RuntimeError("boom"))
+    await lc.release(lease)
+    assert await asyncio.to_thread(second.join, 30)
+    with pytest.raises(BarrelError) as failed:
+        await asyncio.wait_for(lc.acquire("tiny", on_loading=lambda _s: waiting.set()), 120)
+    assert waiting.is_set(), "the request did not wait for the restart"
+    assert failed.value.status == 503
+    assert "failed" in failed.value.message
+    assert "more than 1 restarts" in failed.value.message
 
 
 @pytest.mark.real_model

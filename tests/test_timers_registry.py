@@ -130,3 +130,21 @@ def test_registry_wait_for_sees_a_restart() -> None:
     assert registry.wait_for("a", other_than=old, timeout=5) is new
     with pytest.raises(Unavailable, match="did not come up"):
         registry.wait_for("a", other_than=new, timeout=0.05)
+
+
+def test_registry_monitor_hears_the_end_once_and_not_a_restart() -> None:
+    registry = Registry()
+    heard: list[tuple[str, str]] = []
+    for name in ("a", "b"):
+        registry.register(name, start_inbox(name), supervisor="root")
+        registry.monitor(name, lambda why, name=name: heard.append((name, why)))
+    registry.mark_down("a", "restarting", "crash: boom")
+    assert heard == [], "a restart is not an end"
+    registry.register("a", start_inbox("a-again"), supervisor="root")
+    registry.unregister("a", "crash: too many restarts")
+    registry.mark_down("b", "failed", "restart intensity reached")
+    registry.unregister("a")
+    assert heard == [("a", "crash: too many restarts"), ("b", "restart intensity reached")]
+    registry.monitor("b", lambda why: heard.append(("b again", why)))  # already failed
+    registry.monitor("gone", lambda why: heard.append(("gone", why)))  # never there
+    assert heard[2:] == [("b again", "restart intensity reached"), ("gone", "")]

@@ -232,6 +232,11 @@ class Loader(Child):
         if isinstance(message, _Unloaded):
             self._unloaded(message.model)
             return None
+        if isinstance(message, _Down):
+            loaded = self._models.get(message.model)
+            if loaded is not None and loaded.generation == message.generation:
+                self._drop(message.model, message.reason or "its supervisor gave up")
+            return None  # else unloaded, or loaded again, since
         if isinstance(message, UnloadIdle):
             # Closing first, then the activity check: a request that found the engine
             # open counted itself active before, so the check sees it (guides/lifecycle.md).
@@ -286,7 +291,17 @@ class Loader(Child):
         self._models[name] = loaded
         sup = self.registry.get(self.models_sup)
         call_sync(sup, Supervisor.start_child, sup_name(name), tree, timeout=60)
+        # A request that came while the engine was dead waits for the restarted worker's
+        # report; if the model's supervisor gives up instead, it hears it from here.
+        self.registry.monitor(sup_name(name), partial(self._down, name, loaded.generation))
         return loaded
+
+    def _down(self, name: str, generation: int, reason: str) -> None:
+        # The thread that ended the model's supervisor: only enqueue.
+        try:
+            self.actor_ref.tell(_Down(name, generation, reason))
+        except pykka.ActorDeadError:
+            pass
 
     def _report(
         self, name: str, generation: int, engine: Engine | None, error: BaseException | None
@@ -386,6 +401,15 @@ class _Ready:
 @dataclass(frozen=True)
 class _Unloaded:
     model: str
+
+
+@dataclass(frozen=True)
+class _Down:
+    """The model's supervisor ended (gave up after its restarts, or was stopped)."""
+
+    model: str
+    generation: int
+    reason: str
 
 
 def fit(

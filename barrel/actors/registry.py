@@ -8,6 +8,7 @@ starts and mark it down when it exits; readiness reads the same table.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,6 +36,7 @@ class Registry:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._entries: dict[str, Registration] = {}
+        self._monitors: dict[str, list[Callable[[str], None]]] = {}
 
     def register(self, name: str, ref: pykka.ActorRef[Any], supervisor: str) -> None:
         with self._lock:
@@ -51,11 +53,28 @@ class Registry:
             supervisor = old.supervisor if old else ""
             self._entries[name] = Registration(name, None, state, supervisor, reason)
             self._changed.notify_all()
+            ended = self._monitors.pop(name, []) if state == "failed" else []
+        for on_down in ended:
+            on_down(reason)
 
-    def unregister(self, name: str) -> None:
+    def unregister(self, name: str, reason: str = "") -> None:
         with self._lock:
             self._entries.pop(name, None)
             self._changed.notify_all()
+            ended = self._monitors.pop(name, [])
+        for on_down in ended:
+            on_down(reason)
+
+    def monitor(self, name: str, on_down: Callable[[str], None]) -> None:
+        """Call `on_down(reason)` once when `name` ends for good: unregistered, or marked
+        failed (a restart is not an end); at once if it is not running now. From the
+        thread that reports the end, outside the lock: it should only enqueue."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is not None and entry.state != "failed":
+                self._monitors.setdefault(name, []).append(on_down)
+                return
+        on_down(entry.reason if entry is not None else "")
 
     def whereis(self, name: str) -> pykka.ActorRef[Any] | None:
         with self._lock:

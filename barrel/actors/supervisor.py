@@ -234,7 +234,7 @@ class Supervisor(Child):
             restart is Restart.TRANSIENT and not msg.reason.abnormal
         ):
             logger.info("%s/%s exited (%s); not restarted", self.link.id, slot.name, msg.reason)
-            self.env.registry.unregister(slot.name)
+            self.env.registry.unregister(slot.name, str(msg.reason))
             if self._simple or restart is Restart.TEMPORARY:
                 self._slots.remove(slot)
             return
