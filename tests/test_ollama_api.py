@@ -278,7 +278,7 @@ def test_the_weather_prompt_is_a_tool_call_at_temperature_0_8(daemon: Daemon) ->
             tools=[WEATHER],
             options={"temperature": 0.8, "seed": seed, "num_predict": 96},
         ).message
-        for seed in range(1, 9)
+        for seed in range(1, 7)  # seeds 1-6, as in the OpenAI and Anthropic tests
     ]
     calls = [[c.function.name for c in m.tool_calls or []] for m in answers]
     missed = [m for m, c in zip(answers, calls, strict=True) if c != ["get_weather"]]

@@ -28,7 +28,8 @@ class Hostile:
         self.url = daemon.url
         self.imports = imports
 
-    def post(self, path: str, timeout: float = 60, **kw: object) -> httpx.Response:
+    def post(self, path: str, timeout: float = 600, **kw: object) -> httpx.Response:
+        """A safety net sized for a loaded box: creates trial-load in a child process."""
         return httpx.post(self.url + path, timeout=timeout, **kw)  # type: ignore[arg-type]
 
     def still_serving(self) -> None:
